@@ -1,0 +1,393 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True, embedsignature=True
+"""Compiled core of the index planner (the Python face is :mod:`stpipe.planner`).
+
+Every ``def`` here takes 1-d C-contiguous int32 or int64 arrays that
+:mod:`stpipe.planner` has already validated (type, range); the work runs in
+``cdef ... noexcept nogil`` helpers with the GIL released, so a prefetch thread can
+plan batch N+1 while the training thread runs Python.
+
+Algorithm of :func:`plan_unchecked` for ``n`` ids over ``num_rows`` rows:
+
+* ids below a counting window (the whole table when ``num_rows <= max(4 n, 2**16)``,
+  else the first 2**16 rows) are counted in a dense, cache-resident array; their
+  unique ids come out sorted by construction. Skewed batches (Zipf ranks,
+  frequency-sorted vocabularies) put most of their ids there;
+* the other ids, packed as ``id << bits(n) | position`` (when that fits in 64 bits), are
+  LSD radix sorted on the id bits only (one read fills every histogram; passes whose
+  digit is constant are skipped), then one scan emits unique ids, counts and inverse;
+* otherwise (ids and batch too wide to pack): open-addressing hash table (power-of-two capacity >= 2 n, multiplicative
+  hash) that numbers the distinct ids in order of first appearance, then an LSD radix
+  sort (11-bit digits, only as many passes as ``num_rows`` has bits) of the ``k``
+  distinct ids alone, so skewed (Zipf) batches sort only their few distinct ids.
+"""
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memset
+
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+ctypedef fused index_t:
+    int32_t
+    int64_t
+
+cdef enum:
+    _RADIX_BITS = 11
+    _RADIX = 2048
+
+
+cdef inline Py_ssize_t _first_out_of_range(const index_t[::1] ids, int64_t num_rows) noexcept nogil:
+    """Position of the first id outside ``[0, num_rows)``, or -1 when all are valid."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    cdef int64_t lo = 0, hi = 0, v
+    if n == 0:
+        return -1
+    lo = ids[0]
+    hi = ids[0]
+    # min/max first: a branch-free loop the compiler vectorises; only a bad batch scans again
+    for i in range(n):
+        v = ids[i]
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+    if lo >= 0 and hi < num_rows:
+        return -1
+    for i in range(n):
+        v = ids[i]
+        if v < 0 or v >= num_rows:
+            return i
+    return -1
+
+
+def first_out_of_range(const index_t[::1] ids not None, int64_t num_rows):
+    """Return the position of the first id outside ``[0, num_rows)``, or -1.
+
+    Args:
+        ids: ``(n,)`` int32 or int64, C-contiguous.
+        num_rows: the table's row count.
+    """
+    cdef Py_ssize_t pos
+    with nogil:
+        pos = _first_out_of_range(ids, num_rows)
+    return pos
+
+
+cdef inline int _bit_length(uint64_t x) noexcept nogil:
+    cdef int b = 0
+    while x:
+        b += 1
+        x >>= 1
+    return b
+
+
+cdef inline void _radix_sort_pairs(uint64_t* keys, int64_t* vals, uint64_t* tmp_keys,
+                                   int64_t* tmp_vals, Py_ssize_t k, int key_bits) noexcept nogil:
+    """Sort ``keys[:k]`` ascending, carrying ``vals``; result lands in ``keys``/``vals``."""
+    cdef Py_ssize_t i, j
+    cdef Py_ssize_t count[_RADIX]
+    cdef Py_ssize_t total, c
+    cdef int shift = 0
+    cdef uint64_t d, key
+    cdef uint64_t* src_k = keys
+    cdef int64_t* src_v = vals
+    cdef uint64_t* dst_k = tmp_keys
+    cdef int64_t* dst_v = tmp_vals
+    cdef uint64_t* swap_k
+    cdef int64_t* swap_v
+    cdef int64_t v
+    if k < 2:
+        return
+    if k <= 32:
+        # insertion sort: cheaper than a radix pass for tiny inputs
+        for i in range(1, k):
+            key = keys[i]
+            v = vals[i]
+            j = i - 1
+            while j >= 0 and keys[j] > key:
+                keys[j + 1] = keys[j]
+                vals[j + 1] = vals[j]
+                j -= 1
+            keys[j + 1] = key
+            vals[j + 1] = v
+        return
+    while shift < key_bits:
+        memset(count, 0, sizeof(count))
+        for i in range(k):
+            count[(src_k[i] >> shift) & (_RADIX - 1)] += 1
+        total = 0
+        for j in range(_RADIX):
+            c = count[j]
+            count[j] = total
+            total += c
+        for i in range(k):
+            d = (src_k[i] >> shift) & (_RADIX - 1)
+            dst_k[count[d]] = src_k[i]
+            dst_v[count[d]] = src_v[i]
+            count[d] += 1
+        swap_k = src_k; src_k = dst_k; dst_k = swap_k
+        swap_v = src_v; src_v = dst_v; dst_v = swap_v
+        shift += _RADIX_BITS
+    if src_k != keys:
+        for i in range(k):
+            keys[i] = src_k[i]
+            vals[i] = src_v[i]
+
+
+cdef inline Py_ssize_t _radix_emit(uint64_t* a, uint64_t* b, Py_ssize_t m, Py_ssize_t* hist,
+                                   int pos_bits, int key_bits, int64_t* uniq, int64_t* inverse,
+                                   int64_t* counts, Py_ssize_t k) noexcept nogil:
+    """LSD-sort the ``m`` packed words ``id << pos_bits | position`` in ``a`` on their id
+    bits, then append their distinct ids to ``uniq``/``counts`` from slot ``k`` on and
+    write ``inverse`` at their positions. ``b`` is ``(m,)`` scratch; ``hist`` holds
+    ``8 * _RADIX`` counters. Returns the new number of distinct ids."""
+    cdef Py_ssize_t i, j, total, c
+    cdef int passes = (key_bits + _RADIX_BITS - 1) // _RADIX_BITS
+    cdef int digit, shift, p
+    cdef Py_ssize_t buckets
+    cdef uint64_t w, pos_mask = (<uint64_t>1 << pos_bits) - 1, d, dmask
+    cdef uint64_t* src = a
+    cdef uint64_t* dst = b
+    cdef uint64_t* swap
+    cdef Py_ssize_t* h
+    cdef int64_t key, prev = -1
+    if m == 0:
+        return k
+    if passes < 1:
+        passes = 1
+    digit = (key_bits + passes - 1) // passes
+    buckets = (<Py_ssize_t>1) << digit
+    dmask = <uint64_t>(buckets - 1)
+    memset(hist, 0, passes * buckets * sizeof(Py_ssize_t))
+    # one read fills every pass's histogram
+    for i in range(m):
+        w = a[i] >> pos_bits
+        for p in range(passes):
+            hist[p * buckets + ((w >> (p * digit)) & dmask)] += 1
+    for p in range(passes):
+        h = hist + p * buckets
+        shift = pos_bits + p * digit
+        if h[(src[0] >> shift) & dmask] == m:
+            continue  # every word has the same digit here: the pass would move nothing
+        total = 0
+        for j in range(buckets):
+            c = h[j]
+            h[j] = total
+            total += c
+        for i in range(m):
+            w = src[i]
+            d = (w >> shift) & dmask
+            dst[h[d]] = w
+            h[d] += 1
+        swap = src; src = dst; dst = swap
+    for i in range(m):
+        w = src[i]
+        key = <int64_t>(w >> pos_bits)
+        if key != prev:
+            uniq[k] = key
+            counts[k] = 0
+            k += 1
+            prev = key
+        counts[k - 1] += 1
+        inverse[w & pos_mask] = k - 1
+    return k
+
+
+cdef inline Py_ssize_t _plan_window(const index_t[::1] ids, int64_t window, int64_t* uniq,
+                                    int64_t* inverse, int64_t* counts, int64_t* cnt,
+                                    uint64_t* a, uint64_t* b, Py_ssize_t* hist, int pos_bits,
+                                    int key_bits) noexcept nogil:
+    """Counting plan for ids below ``window`` plus radix plan for the rest.
+
+    ``cnt`` is a zeroed ``(window,)`` array. Ids below the window (the hot ids of skewed
+    batches: Zipf ranks, frequency-sorted vocabularies) cost one cache-resident
+    increment each; the rest are packed into ``a`` and radix sorted. Window ids all sort
+    before the others, so the two parts concatenate in order.
+    """
+    cdef Py_ssize_t i, n = ids.shape[0], k = 0, m = 0
+    cdef int64_t r, v
+    for i in range(n):
+        v = ids[i]
+        if v < window:
+            cnt[v] += 1
+        else:
+            a[m] = (<uint64_t>v << pos_bits) | <uint64_t>i
+            m += 1
+    for r in range(window):
+        if cnt[r]:
+            uniq[k] = r
+            counts[k] = cnt[r]
+            cnt[r] = k
+            k += 1
+    if k:
+        for i in range(n):
+            v = ids[i]
+            if v < window:
+                inverse[i] = cnt[v]
+    return _radix_emit(a, b, m, hist, pos_bits, key_bits, uniq, inverse, counts, k)
+
+
+cdef inline Py_ssize_t _plan_hash(const index_t[::1] ids, int64_t num_rows, int64_t* uniq,
+                                  int64_t* inverse, int64_t* counts, int64_t* slot_keys,
+                                  int64_t* slot_order, uint64_t* sort_keys, int64_t* sort_vals,
+                                  uint64_t* tmp_keys, int64_t* tmp_vals, int64_t* rank,
+                                  int cap_bits) noexcept nogil:
+    """Hash plan. ``slot_keys`` is a ``(2**cap_bits,)`` array filled with -1; scratch
+    arrays are ``(n,)`` long. ``inverse`` first holds insertion numbers, then ranks."""
+    cdef Py_ssize_t i, n = ids.shape[0], k = 0
+    cdef uint64_t mask = (<uint64_t>1 << cap_bits) - 1
+    cdef int shift = 64 - cap_bits
+    cdef uint64_t h
+    cdef int64_t key, ins
+    for i in range(n):
+        key = ids[i]
+        h = (<uint64_t>key * <uint64_t>0x9E3779B97F4A7C15ULL) >> shift
+        while True:
+            if slot_keys[h] == key:
+                ins = slot_order[h]
+                break
+            if slot_keys[h] == -1:
+                slot_keys[h] = key
+                slot_order[h] = k
+                sort_keys[k] = <uint64_t>key
+                sort_vals[k] = k
+                tmp_vals[k] = 0  # tmp_vals doubles as the per-insertion count until the sort
+                ins = k
+                k += 1
+                break
+            h = (h + 1) & mask
+        inverse[i] = ins
+        tmp_vals[ins] += 1
+    # counts in insertion order are parked in counts[] before tmp_vals is reused by the sort
+    for i in range(k):
+        counts[i] = tmp_vals[i]
+    _radix_sort_pairs(sort_keys, sort_vals, tmp_keys, tmp_vals, k,
+                      _bit_length(<uint64_t>(num_rows - 1)))
+    for i in range(k):
+        uniq[i] = <int64_t>sort_keys[i]
+        rank[sort_vals[i]] = i
+    # counts: permute from insertion order to sorted order (tmp_vals is free again)
+    for i in range(k):
+        tmp_vals[i] = counts[sort_vals[i]]
+    for i in range(k):
+        counts[i] = tmp_vals[i]
+    for i in range(n):
+        inverse[i] = rank[inverse[i]]
+    return k
+
+
+def plan_unchecked(const index_t[::1] ids not None, int64_t num_rows):
+    """Deduplicate and sort one batch of already validated ids.
+
+    Args:
+        ids: ``(n,)`` int32 or int64, C-contiguous, every value in ``[0, num_rows)``.
+        num_rows: the table's row count (> 0).
+
+    Returns:
+        ``(unique, inverse, counts)``: ``(k,)`` int64 sorted distinct ids, ``(n,)`` int64
+        positions into ``unique``, ``(k,)`` int64 occurrence counts.
+    """
+    cdef Py_ssize_t n = ids.shape[0]
+    cdef Py_ssize_t k = 0, cap = 16
+    cdef int cap_bits = 4
+    # counting window: the whole table when it is small against the batch, else 2**16 rows
+    cdef int64_t window = num_rows if num_rows <= (4 * n if 4 * n > 65536 else 65536) else 65536
+    cdef int pos_bits = _bit_length(<uint64_t>(n - 1)) if n > 1 else 1
+    cdef int key_bits = _bit_length(<uint64_t>(num_rows - 1)) if num_rows > 1 else 1
+    inverse_arr = np.empty(n, dtype=np.int64)
+    uniq_arr = np.empty(n, dtype=np.int64)
+    counts_arr = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] inverse = inverse_arr
+    cdef int64_t[::1] uniq = uniq_arr
+    cdef int64_t[::1] counts = counts_arr
+    cdef int64_t* cnt = NULL
+    cdef Py_ssize_t* hist = NULL
+    cdef int64_t* rank = NULL
+    cdef int64_t* slot_keys = NULL
+    cdef int64_t* slot_order = NULL
+    cdef uint64_t* sort_keys = NULL
+    cdef int64_t* sort_vals = NULL
+    cdef uint64_t* tmp_keys = NULL
+    cdef int64_t* tmp_vals = NULL
+    cdef bint failed = False
+    if n == 0:
+        return uniq_arr, inverse_arr, counts_arr
+    with nogil:
+        if pos_bits + key_bits <= 64:
+            cnt = <int64_t*>calloc(window, sizeof(int64_t))
+            sort_keys = <uint64_t*>malloc(n * sizeof(uint64_t))
+            tmp_keys = <uint64_t*>malloc(n * sizeof(uint64_t))
+            hist = <Py_ssize_t*>malloc(8 * _RADIX * sizeof(Py_ssize_t))
+            if cnt == NULL or sort_keys == NULL or tmp_keys == NULL or hist == NULL:
+                failed = True
+            else:
+                k = _plan_window(ids, window, &uniq[0], &inverse[0], &counts[0], cnt,
+                                 sort_keys, tmp_keys, hist, pos_bits, key_bits)
+        else:
+            while cap < 2 * n:
+                cap <<= 1
+                cap_bits += 1
+            slot_keys = <int64_t*>malloc(cap * sizeof(int64_t))
+            slot_order = <int64_t*>malloc(cap * sizeof(int64_t))
+            sort_keys = <uint64_t*>malloc(n * sizeof(uint64_t))
+            sort_vals = <int64_t*>malloc(n * sizeof(int64_t))
+            tmp_keys = <uint64_t*>malloc(n * sizeof(uint64_t))
+            tmp_vals = <int64_t*>malloc(n * sizeof(int64_t))
+            rank = <int64_t*>malloc(n * sizeof(int64_t))
+            if (slot_keys == NULL or slot_order == NULL or sort_keys == NULL or sort_vals == NULL
+                    or tmp_keys == NULL or tmp_vals == NULL or rank == NULL):
+                failed = True
+            else:
+                memset(slot_keys, 0xFF, cap * sizeof(int64_t))  # all -1
+                k = _plan_hash(ids, num_rows, &uniq[0], &inverse[0], &counts[0], slot_keys,
+                               slot_order, sort_keys, sort_vals, tmp_keys, tmp_vals, rank,
+                               cap_bits)
+        free(cnt)
+        free(hist)
+        free(rank)
+        free(slot_keys)
+        free(slot_order)
+        free(sort_keys)
+        free(sort_vals)
+        free(tmp_keys)
+        free(tmp_vals)
+    if failed:
+        raise MemoryError(f"stpipe planner: could not allocate scratch memory for {n} ids")
+    return uniq_arr[:k].copy(), inverse_arr, counts_arr[:k].copy()
+
+
+cdef inline Py_ssize_t _intersect(const int64_t[::1] a, const int64_t[::1] b, int64_t* pa,
+                                  int64_t* pb) noexcept nogil:
+    cdef Py_ssize_t i = 0, j = 0, m = 0, na = a.shape[0], nb = b.shape[0]
+    while i < na and j < nb:
+        if a[i] < b[j]:
+            i += 1
+        elif a[i] > b[j]:
+            j += 1
+        else:
+            pa[m] = i
+            pb[m] = j
+            m += 1
+            i += 1
+            j += 1
+    return m
+
+
+def intersect_sorted(const int64_t[::1] a not None, const int64_t[::1] b not None):
+    """Positions of the values two sorted, duplicate-free int64 arrays share.
+
+    Returns:
+        ``(pos_a, pos_b)``: ``(m,)`` int64 each, with ``a[pos_a] == b[pos_b]``, ascending.
+    """
+    cdef Py_ssize_t cap = a.shape[0] if a.shape[0] < b.shape[0] else b.shape[0]
+    pa_arr = np.empty(cap, dtype=np.int64)
+    pb_arr = np.empty(cap, dtype=np.int64)
+    cdef int64_t[::1] pa = pa_arr
+    cdef int64_t[::1] pb = pb_arr
+    cdef Py_ssize_t m = 0
+    if cap == 0:
+        return pa_arr, pb_arr
+    with nogil:
+        m = _intersect(a, b, &pa[0], &pb[0])
+    return pa_arr[:m].copy(), pb_arr[:m].copy()
