@@ -1,0 +1,440 @@
+"""Tests of stpipe.host.HostTable on the CPU path (no GPU needed)."""
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from stpipe import BackendUnavailableError, StpipeError, StpipeRuntimeError
+from stpipe.host import HostTable
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+CPU = {"device": "cpu", "pin": False}
+
+
+def make(num_rows=50, dim=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return HostTable(num_rows, dim, dtype, **CPU).uniform_(-1, 1, generator=g)
+
+
+# -- construction ---------------------------------------------------------------------
+def test_attributes():
+    t = HostTable(10, 3, "float16", **CPU)
+    assert (t.num_rows, t.dim, t.dtype) == (10, 3, torch.float16)
+    assert t.nbytes == 10 * 3 * 2 and t.device == torch.device("cpu")
+    assert not t.pinned and not t.closed and t.backend == "auto"
+    assert t.tensor().shape == (10, 3) and t.tensor().dtype == torch.float16
+    assert "HostTable(num_rows=10" in repr(t)
+
+
+def test_default_device_and_pin_follow_cuda():
+    t = HostTable(4, 2)
+    if torch.cuda.is_available():
+        assert t.device.type == "cuda" and t.pinned
+    else:
+        assert t.device == torch.device("cpu") and not t.pinned
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc",
+    [
+        ((0, 4), {}, ValueError),
+        ((4, -1), {}, ValueError),
+        ((4.0, 4), {}, TypeError),
+        ((True, 4), {}, TypeError),
+        ((4, 4, torch.float64), {}, TypeError),
+        ((4, 4, torch.int32), {}, TypeError),
+        ((4, 4, "float8"), {}, TypeError),
+        ((4, 4), {"backend": "jax"}, ValueError),
+        ((4, 4), {"device": "mps"}, ValueError),
+    ],
+    ids=["zero-rows", "neg-dim", "float-rows", "bool-rows", "f64", "int32", "bad-name",
+         "backend", "device"],
+)
+def test_bad_construction(args, kwargs, exc):
+    with pytest.raises(exc) as info:
+        HostTable(*args, **{**CPU, **kwargs})
+    assert isinstance(info.value, StpipeError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_cuda_requests_without_cuda():
+    with pytest.raises(BackendUnavailableError, match="CUDA"):
+        HostTable(4, 4, device="cuda")
+    with pytest.raises(BackendUnavailableError, match="pin=True"):
+        HostTable(4, 4, device="cpu", pin=True)
+
+
+def test_memory_is_page_aligned_exact_size():
+    t = HostTable(1000, 17, torch.float16, **CPU)
+    assert t.tensor().data_ptr() % 4096 == 0
+    assert t.tensor().untyped_storage().nbytes() <= t.nbytes + 2 * 4096
+
+
+# -- initialisers ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_zeros_uniform_normal(dtype):
+    t = HostTable(300, 5, dtype, **CPU)
+    assert t.zeros_() is t and torch.count_nonzero(t.tensor()) == 0
+    g = torch.Generator().manual_seed(1)
+    x = t.uniform_(-0.5, 0.25, generator=g).tensor().float()
+    assert x.min() >= -0.5 and x.max() <= 0.25 and x.std() > 0.1
+    y = t.normal_(2.0, 0.5, generator=torch.Generator().manual_seed(2)).tensor().float()
+    assert abs(y.mean().item() - 2.0) < 0.1 and abs(y.std().item() - 0.5) < 0.1
+    with pytest.raises(ValueError, match="std"):
+        t.normal_(0.0, -1.0)
+
+
+def test_uniform_is_deterministic_with_generator(monkeypatch):
+    import stpipe.host as host
+
+    monkeypatch.setattr(host, "_CHUNK_BYTES", 64 * 4)  # many chunks
+    a = HostTable(100, 16, **CPU).uniform_(generator=torch.Generator().manual_seed(5))
+    b = HostTable(100, 16, **CPU).uniform_(generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a.tensor(), b.tensor())
+    assert len(a._row_chunks()) == 25
+
+
+def test_init_uses_whole_table_fans(monkeypatch):
+    import stpipe.host as host
+
+    monkeypatch.setattr(host, "_CHUNK_BYTES", 8192)
+    n, dim = 4000, 32
+    t = HostTable(n, dim, **CPU).init_(torch.nn.init.xavier_uniform_,
+                                       generator=torch.Generator().manual_seed(0))
+    bound = (6.0 / (n + dim)) ** 0.5
+    x = t.tensor()
+    assert x.abs().max() <= bound and x.abs().max() > 0.9 * bound
+    t.init_(torch.nn.init.kaiming_normal_)
+    assert abs(x.std().item() - (2.0 / dim) ** 0.5) < 0.02  # fan_in = dim
+    t.init_(torch.nn.init.constant_, 0.25)
+    assert torch.all(x == 0.25)
+    t.init_(torch.nn.init.trunc_normal_, std=0.02, a=-0.03, b=0.03)
+    assert x.abs().max() <= 0.03 and x.std() > 0.005
+
+
+@pytest.mark.parametrize("fn", [torch.nn.init.orthogonal_, torch.nn.init.eye_],
+                         ids=["orthogonal", "eye"])
+def test_init_refuses_non_elementwise(fn):
+    t = HostTable(20, 4, **CPU).zeros_()
+    with pytest.raises(ValueError, match="copy_from"):
+        t.init_(fn)
+    assert torch.count_nonzero(t.tensor()) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_copy_from_and_from_tensor(dtype):
+    src = torch.randn(30, 7).to(dtype)
+    t = HostTable.from_tensor(src, **CPU)
+    assert t.dtype == dtype and torch.equal(t.tensor(), src)
+    src2 = torch.randn(30, 7, dtype=torch.float64)
+    t.copy_from(src2)
+    assert torch.equal(t.tensor(), src2.to(dtype))
+    with pytest.raises(ValueError, match=r"expected shape \(30, 7\), got \(7, 30\)"):
+        t.copy_from(src2.T)
+    with pytest.raises(TypeError):
+        t.copy_from(np.zeros((30, 7), dtype=np.int64))
+    with pytest.raises(TypeError):
+        t.copy_from([[1.0] * 7] * 30)
+
+
+@pytest.mark.parametrize("np_dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_from_numpy_copy_and_wrap(np_dtype):
+    arr = np.random.default_rng(0).standard_normal((40, 9)).astype(np_dtype)
+    copied = HostTable.from_numpy(arr, **CPU)
+    wrapped = HostTable.from_numpy(arr, copy=False, **CPU)
+    assert np.array_equal(copied.numpy(), arr) and np.array_equal(wrapped.numpy(), arr)
+    arr[0, 0] = 42
+    assert wrapped.numpy()[0, 0] == 42 and copied.numpy()[0, 0] != 42
+    wrapped.scatter([1], torch.full((1, 9), 7.0, dtype=copied.dtype))
+    assert np.all(arr[1] == 7)
+
+
+def test_from_numpy_bad():
+    with pytest.raises(TypeError):
+        HostTable.from_numpy(np.zeros((3, 3), dtype=np.float64), **CPU)
+    with pytest.raises(ValueError, match="2-d"):
+        HostTable.from_numpy(np.zeros(3, dtype=np.float32), **CPU)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        HostTable.from_numpy(np.zeros((3, 4), dtype=np.float32).T, copy=False, **CPU)
+    with pytest.raises(TypeError):
+        HostTable.from_numpy(torch.zeros(3, 3), **CPU)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        HostTable.from_numpy(np.zeros((3, 3), dtype=np.float32), copy=False, dev="cpu")
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        HostTable.from_tensor(torch.zeros(3, 4).T, copy=False, **CPU)
+
+
+def test_numpy_of_bfloat16_names_tensor():
+    t = HostTable(3, 3, torch.bfloat16, **CPU)
+    with pytest.raises(TypeError, match=r"tensor\(\)"):
+        t.numpy()
+
+
+# -- save / load ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [1, 3, 17])
+def test_save_load_round_trip(tmp_path, dtype, dim, monkeypatch):
+    import stpipe.host as host
+
+    monkeypatch.setattr(host, "_CHUNK_BYTES", 100)  # many I/O chunks, unaligned
+    t = make(61, dim, dtype)
+    path = tmp_path / "t.npy"
+    t.save(path)
+    assert os.listdir(tmp_path) == ["t.npy"]  # no temporary left behind
+    u = HostTable.load(path, **CPU)
+    assert (u.num_rows, u.dim, u.dtype) == (61, dim, dtype)
+    assert torch.equal(u.tensor().view(torch.uint8), t.tensor().view(torch.uint8))
+    arr = np.load(path, allow_pickle=False)
+    if dtype == torch.bfloat16:
+        assert arr.dtype == np.uint16  # documented convention: raw bfloat16 bits
+        assert np.array_equal(arr.view(np.int16), t.tensor().view(torch.int16).numpy())
+    else:
+        assert np.array_equal(arr, t.numpy())
+    with pytest.raises(TypeError, match="expected a"):
+        HostTable.load(path, dtype=torch.float16 if dtype != torch.float16 else torch.float32,
+                       **CPU)
+
+
+def test_load_np_save_file(tmp_path):
+    arr = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.save(tmp_path / "a.npy", arr)
+    assert np.array_equal(HostTable.load(tmp_path / "a.npy", **CPU).numpy(), arr)
+    np.save(tmp_path / "f.npy", np.asfortranarray(arr))
+    with pytest.raises(ValueError, match="fortran"):
+        HostTable.load(tmp_path / "f.npy", **CPU)
+
+
+def test_save_replaces_atomically(tmp_path):
+    path = tmp_path / "t.npy"
+    make(5, 2, seed=1).save(path)
+    t = make(5, 2, seed=2)
+    t.save(path)
+    assert np.array_equal(np.load(path), t.numpy())
+    assert sorted(os.listdir(tmp_path)) == ["t.npy"]
+
+
+def test_save_failure_leaves_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.npy"
+    old = make(5, 2, seed=1)
+    old.save(path)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        make(5, 2, seed=2).save(path)
+    monkeypatch.undo()
+    assert np.array_equal(np.load(path), old.numpy())
+    assert sorted(os.listdir(tmp_path)) == ["t.npy"]
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, exc, match",
+    [
+        ("truncated", ValueError, "does not match its header"),
+        ("extra", ValueError, "does not match its header"),
+        ("not-npy", ValueError, "not a .npy file"),
+        ("bad-header", ValueError, "header"),
+        ("float64", TypeError, "<f4"),
+        ("int32", TypeError, "<f4"),
+        ("big-endian", TypeError, "<f4"),
+        ("1-d", ValueError, "2-d"),
+        ("3-d", ValueError, "2-d"),
+        ("empty", ValueError, "2-d"),
+        ("object", TypeError, "unpickling"),
+        ("structured", TypeError, "<f4"),
+    ],
+)
+def test_load_refuses_bad_files(tmp_path, kind, exc, match):
+    path = tmp_path / "bad.npy"
+    good = np.ones((4, 3), dtype=np.float32)
+    if kind in ("truncated", "extra"):
+        np.save(path, good)
+        raw = path.read_bytes()
+        _write(path, raw[:-5] if kind == "truncated" else raw + b"\0" * 4)
+    elif kind == "not-npy":
+        _write(path, b"hello world, not numpy" * 10)
+    elif kind == "bad-header":
+        np.save(path, good)
+        raw = bytearray(path.read_bytes())
+        raw[12:20] = b"@@@@@@@@"
+        _write(path, bytes(raw))
+    elif kind == "object":
+        np.save(path, np.array([[{"x": 1}, None]], dtype=object), allow_pickle=True)
+    else:
+        arr = {
+            "float64": good.astype(np.float64),
+            "int32": good.astype(np.int32),
+            "big-endian": good.astype(">f4"),
+            "1-d": good.reshape(-1),
+            "3-d": good.reshape(2, 2, 3),
+            "empty": np.ones((0, 3), dtype=np.float32),
+            "structured": np.zeros((4, 3), dtype=[("a", "<f4")]),
+        }[kind]
+        np.save(path, arr)
+    with pytest.raises(exc, match=match) as info:
+        HostTable.load(path, **CPU)
+    assert isinstance(info.value, StpipeError)
+
+
+def test_load_failure_closes_table(tmp_path, monkeypatch):
+    path = tmp_path / "t.npy"
+    make(10, 4).save(path)
+    made = []
+    orig_init = HostTable.__init__
+
+    def spy(self, *a, **k):
+        orig_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(HostTable, "__init__", spy)
+    import stpipe.host as host
+
+    class Short:  # a file whose data ends right after the header
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def readinto(self, buf):
+            return 0
+
+    monkeypatch.setattr(host, "open", lambda p, mode: Short(open(p, mode)), raising=False)
+    with pytest.raises(ValueError, match="truncated"):
+        HostTable.load(path, **CPU)
+    assert len(made) == 1 and made[0].closed
+
+
+# -- movement (CPU path) --------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [1, 3, 17, 129])
+def test_gather_scatter_match_indexing(dtype, dim):
+    t = make(97, dim, dtype)
+    ref = t.tensor().clone()
+    rng = np.random.default_rng(dim)
+    for ids in (np.array([], dtype=np.int64), np.array([5]), np.arange(97),
+                rng.permutation(97)[:40], np.sort(rng.permutation(97)[:40]).astype(np.int32)):
+        got = t.gather(ids)
+        assert got.shape == (len(ids), dim) and got.dtype == dtype
+        assert torch.equal(got, ref[torch.from_numpy(ids.astype(np.int64))])
+        new = torch.randn(len(ids), dim).to(dtype)
+        t.scatter(ids, new)
+        ref[torch.from_numpy(ids.astype(np.int64))] = new
+        assert torch.equal(t.tensor(), ref)
+
+
+def test_gather_accepts_lists_tensors_and_out():
+    t = make(20, 4)
+    ref = t.tensor()[[3, 1]]
+    assert torch.equal(t.gather([3, 1]), ref)
+    assert torch.equal(t.gather(torch.tensor([3, 1])), ref)
+    assert torch.equal(t.gather(torch.tensor([3, 1], dtype=torch.int32)), ref)
+    out = torch.full((2, 4), float("nan"))
+    assert t.gather(np.array([3, 1]), out=out) is out and torch.equal(out, ref)
+
+
+def test_bad_ids():
+    t = make(20, 4)
+    rows = torch.zeros(2, 4)
+    for op in (lambda ids: t.gather(ids), lambda ids: t.scatter(ids, rows)):
+        with pytest.raises(IndexError, match=r"row id 20 at position 1.*num_rows=20"):
+            op([3, 20])
+        with pytest.raises(IndexError, match=r"row id -1 at position 0"):
+            op(np.array([-1, 3]))
+        with pytest.raises(TypeError, match="integer"):
+            op(np.array([1.0, 2.0]))
+        with pytest.raises(TypeError):
+            op(np.array([True, False]))
+        with pytest.raises(ValueError, match="1-d"):
+            op(np.array([[1], [2]]))
+
+
+def test_bad_rows_and_out():
+    t = make(20, 4)
+    with pytest.raises(ValueError, match=r"expected rows of shape \(2, 4\), got \(2, 5\)"):
+        t.scatter([1, 2], torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"got \(3, 4\)"):
+        t.scatter([1, 2], torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="expected rows of dtype torch.float32, got torch.float16"):
+        t.scatter([1, 2], torch.zeros(2, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        t.scatter([1, 2], np.zeros((2, 4), dtype=np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        t.gather([1, 2], out=torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="dtype"):
+        t.gather([1, 2], out=torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        t.gather([1, 2], out=torch.zeros(4, 2).T)
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines
+        with pytest.raises(ValueError, match="expected rows on cpu"):
+            t.scatter([1, 2], torch.zeros(2, 4, device="cuda"))
+
+
+def test_scatter_duplicates():
+    t = make(20, 4)
+    before = t.tensor().clone()
+    with pytest.raises(ValueError, match=r"id 3 twice \(positions 1 and 2\)"):
+        t.scatter([1, 3, 3], torch.zeros(3, 4))  # sorted: adjacent compare
+    with pytest.raises(ValueError, match=r"id 5 twice \(positions 0 and 2\)"):
+        t.scatter([5, 1, 5], torch.zeros(3, 4))  # unsorted: np.unique
+    assert torch.equal(t.tensor(), before)  # nothing written
+    t.scatter([5, 1], torch.ones(2, 4), assume_unique=True)
+    assert torch.all(t.tensor()[[1, 5]] == 1)
+
+
+def test_closed_table():
+    t = make(10, 2)
+    t.close()
+    t.close()  # idempotent
+    assert t.closed and "closed" in repr(t)
+    for call in (lambda: t.gather([1]), lambda: t.scatter([1], torch.zeros(1, 2)),
+                 t.tensor, t.numpy, t.zeros_, t.uniform_, t.normal_, t.synchronize,
+                 lambda: t.init_(torch.nn.init.zeros_), lambda: t.save("/nonexistent/x.npy"),
+                 lambda: t.copy_from(torch.zeros(10, 2))):
+        with pytest.raises(StpipeRuntimeError, match="closed"):
+            call()
+
+
+def test_context_manager_and_gc():
+    with HostTable(10, 2, **CPU) as t:
+        t.zeros_()
+    assert t.closed
+    t = HostTable(10, 2, **CPU)
+    del t
+    gc.collect()
+
+
+def test_view_outlives_close():
+    t = make(10, 2)
+    view = t.tensor()
+    ref = view.clone()
+    t.close()
+    assert torch.equal(view, ref)  # memory kept alive by the view, no crash
+
+
+def test_import_does_not_load_optional_backends():
+    import subprocess
+    import sys
+
+    code = ("import sys, stpipe, stpipe.host, stpipe.kernels; "
+            "bad = [m for m in ('cupy', 'numba') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
