@@ -1,0 +1,1399 @@
+"""The SpeedTorch 0.1.6 API, backed by stpipe (a drop-in module).
+
+Code written for SpeedTorch switches with one line::
+
+    import stpipe.compat.speedtorch as SpeedTorch      # was: import SpeedTorch
+
+and keeps its class names, constructor arguments, defaults and method names:
+:class:`ModelFactory`, :class:`OptimizerFactory`, :class:`PytorchModelFactory`,
+:class:`PytorchOptimizerFactory`, :class:`DataGadget` and the older aliases
+(``GPUPytorch*``, ``CPUPytorch*``).
+
+Where tables live:
+
+* ``ModelFactory(..., CPUPinn=False)`` / ``OptimizerFactory(..., CPUPinn=False)`` /
+  ``DataGadget(..., CPUPinn=False)`` and the ``Pytorch*`` classes with
+  ``deviceType='cuda'``: a torch tensor in GPU memory (a CPU tensor where CUDA is missing).
+* ``CPUPinn=True`` / ``deviceType='cpu'``: a :class:`stpipe.host.HostTable`, page-locked
+  at exact size (``cudaHostRegister``; ``pinType=False`` leaves it pageable). Rows move
+  through stpipe's transfer backends (``auto``: UVA kernels and/or CPU gather + DMA).
+
+Gathered rows always go to the device of the model variable (a model on the GPU gets GPU
+rows even when the table is in host memory). ``datatype``/``dtype`` accept ``'float32'``,
+``'float16'`` (and ``'bfloat16'``) as well as torch dtypes.
+
+Differences from SpeedTorch (its defects, fixed):
+
+* **Duplicate ids** in a batch are deduplicated (:func:`stpipe.planner.plan`): each row is
+  gathered once, its gradient is the sum over its occurrences (what ``nn.Embedding``
+  gives) and it is written back once. The model variable's weight then holds the ``k``
+  unique rows (ascending id order) and a forward pre-hook on the embedding module remaps
+  the dummy positions ``0..n-1`` of :meth:`ModelFactory.variableTransformer` onto them,
+  so user code is unchanged. Batches without duplicates keep SpeedTorch's layout exactly
+  (weight row ``j`` holds the ``j``-th id) and no remapping happens. The remapping needs
+  the dummy positions to go *through the module's forward* (``module(dummy)``); code that
+  indexes ``module.weight`` by hand should pass ``dedup=False`` (SpeedTorch's layout: one
+  weight row per position; duplicates are then written back once, the last occurrence
+  winning, instead of at random).
+* **Ids are checked**: an id outside ``[0, total_classes)`` (or ``[0, rows)`` of a
+  :class:`DataGadget`) raises :class:`IndexError` (:class:`stpipe.StpipeIndexError`)
+  naming the first bad id and its position, before any row moves. (SpeedTorch's CuPy
+  tables wrapped such ids around onto another row.) Float ids raise :class:`TypeError`.
+* **No device-wide synchronisation per swap**: gathers and scatters run on the current
+  CUDA stream of the model's device; host tables order their own accesses with events.
+* **No global allocator swapping**: pinned tables are page-locked in place at exact size.
+* **Optimizer switchers run on PyTorch 2.x** (SpeedTorch's step state was a Python int):
+  SparseAdam, Adagrad, Adadelta, Adamax, Adam, AdamW, ASGD, RMSprop, Rprop, and also SGD,
+  NAdam and RAdam. Per-row state tensors (shaped like the weight) live in tables of their
+  own, swapped in and out by the ids; scalar state (``step``, ASGD's ``eta``/``mu``,
+  NAdam's ``mu_product``) stays per parameter in ``optimizer.state``. Rows never seen
+  start from the optimizer's initial values (Adagrad: ``initial_accumulator_value``;
+  Rprop: ``prev = 0``, ``step_size = lr``; zeros elsewhere).
+* **CuPy is optional**: where it is missing, the CuPy-named classes (``ModelFactory``,
+  ``OptimizerFactory``, ``DataGadget``) use the torch backend and say so once
+  (:class:`CupyFallbackWarning`). Results are the same either way.
+* :meth:`DataGadget.getData` returns rows on the current CUDA device, or on the CPU where
+  CUDA is missing (SpeedTorch required CUDA).
+* ``saveTorch`` writes a CPU tensor (loadable anywhere, ``torch.load(...,
+  weights_only=True)``); ``getNumpyVersion`` always returns a numpy copy (SpeedTorch's
+  ``CPUPytorch*`` classes returned the tensor); files are written atomically.
+
+Not provided: the memory-mapped variants (``ModelFactoryMM``, ``OptimizerFactoryMM``,
+``DataGadgetMM``) and the ``COM`` co-occurrence helpers.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import threading
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import _cuda
+from .._errors import (
+    BackendUnavailableError,
+    StpipeIndexError,
+    StpipeRuntimeError,
+    StpipeTypeError,
+    StpipeValueError,
+)
+from ..planner import as_index_array, check_ids, plan
+
+__all__ = [
+    "ModelFactory",
+    "OptimizerFactory",
+    "PytorchModelFactory",
+    "PytorchOptimizerFactory",
+    "DataGadget",
+    "GPUPytorchModelFactory",
+    "GPUPytorchOptimizerFactory",
+    "CPUPytorchModelFactory",
+    "CPUPytorchOptimizerFactory",
+    "CupyFallbackWarning",
+    "SUPPORTED_OPTIMIZERS",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# ---------------------------------------------------------------------------------------
+# warnings, dtypes, placement
+# ---------------------------------------------------------------------------------------
+class CupyFallbackWarning(UserWarning):
+    """A CuPy-named class runs on the torch backend because CuPy is not installed."""
+
+
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(key: str, message: str, category: type = UserWarning) -> None:
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, category, stacklevel=4)
+
+
+def _cupy_installed() -> bool:
+    """True when ``import cupy`` can be attempted (does not import it)."""
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except (ImportError, ValueError):  # pragma: no cover - broken installs
+        return False
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+#: dtypes a HostTable holds; other dtypes use a plain tensor.
+_HOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _as_dtype(dtype: Any, name: str = "datatype") -> torch.dtype:
+    """``'float32'``/``'float16'``/..., numpy dtypes and torch dtypes → a torch float dtype."""
+    if isinstance(dtype, torch.dtype):
+        got = dtype
+    elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        got = _DTYPES[dtype.lower()]
+    else:
+        try:
+            got = torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+        except (TypeError, ValueError):
+            raise StpipeTypeError(
+                f"{name} must be 'float32', 'float16' or a torch dtype, got {dtype!r}"
+            ) from None
+    if not got.is_floating_point:
+        raise StpipeTypeError(f"{name} must be a floating-point dtype, got {got}")
+    return got
+
+
+def _cuda_device(device: Any = None) -> torch.device:
+    """A CUDA device with its index (``'cuda'`` → ``cuda:<current>``)."""
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class _Placement:
+    """Where a switcher keeps its table(s).
+
+    Attributes:
+        where: ``"device"`` (one torch tensor on ``table_device``) or ``"host"`` (a
+            HostTable, or a CPU tensor for dtypes HostTable does not hold).
+        table_device: the device of a ``"device"`` table.
+        pin: page-lock a host table.
+        backend: the HostTable backend name.
+    """
+
+    def __init__(self, where: str, table_device: torch.device, pin: bool, backend: str):
+        self.where, self.table_device, self.pin, self.backend = where, table_device, pin, backend
+
+    def __repr__(self) -> str:
+        return (f"_Placement({self.where!r}, table_device={self.table_device}, "
+                f"pin={self.pin}, backend={self.backend!r})")
+
+
+def _placement(*, on_gpu: bool, pin: bool, cupy_named: bool, what: str,
+               gpu_device: Any = None) -> _Placement:
+    """Resolve SpeedTorch's placement flags on this machine.
+
+    Args:
+        on_gpu: SpeedTorch kept the table in GPU memory.
+        pin: SpeedTorch page-locked the host table.
+        cupy_named: the class was CuPy-backed in SpeedTorch (warn once when CuPy is
+            missing; its host tables then use the torch backend).
+        what: the class name, for messages.
+        gpu_device: the CUDA device of a GPU table (default: current).
+    """
+    cuda = _cuda.cuda_available()
+    backend = "auto" if cuda else "torch"
+    if cupy_named and not _cupy_installed():
+        _warn_once(
+            "cupy",
+            f"{what}: CuPy is not installed, so stpipe's SpeedTorch compat layer uses its "
+            "torch backend for the CuPy-named classes (ModelFactory, OptimizerFactory, "
+            "DataGadget); results are the same. Install cupy-cuda12x / cupy-cuda13x for "
+            "the CuPy kernels.",
+            CupyFallbackWarning,
+        )
+        backend = "torch"
+    if on_gpu:
+        if cuda:
+            return _Placement("device", _cuda_device(gpu_device), False, backend)
+        if not cupy_named:
+            _warn_once(
+                "nocuda",
+                f"{what}: deviceType='cuda' but CUDA is not available; the table is kept "
+                "in CPU memory instead.",
+            )
+        return _Placement("device", torch.device("cpu"), False, backend)
+    return _Placement("host", torch.device("cpu"), bool(pin and cuda), backend)
+
+
+# ---------------------------------------------------------------------------------------
+# stores: one (num_rows, dim) table, in a torch tensor or a HostTable
+# ---------------------------------------------------------------------------------------
+def _ids_tensor(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host ids as an int64 tensor on ``device`` (an H2D copy on the current stream)."""
+    t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    if device.type == "cuda":
+        # Pageable source: cudaMemcpyAsync stages it before returning, so `ids` may go.
+        return t.to(device, non_blocking=True)
+    return t
+
+
+class _TensorStore:
+    """A table held in one torch tensor (GPU memory, or a CPU tensor).
+
+    All work runs on the current stream of the tensor's device; nothing synchronises
+    except reading the whole table back (:meth:`numpy`, :meth:`cpu_tensor`).
+    """
+
+    #: gathering sorted ids is no faster than gathering them in the order asked for
+    sorted_helps = False
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    @classmethod
+    def empty(cls, n: int, dim: int, dtype: torch.dtype, device: torch.device,
+              pin: bool = False) -> "_TensorStore":
+        if device.type == "cpu":
+            return cls(torch.empty((n, dim), dtype=dtype, pin_memory=pin))
+        return cls(torch.empty((n, dim), dtype=dtype, device=device))
+
+    num_rows = property(lambda self: int(self.t.shape[0]))
+    dim = property(lambda self: int(self.t.shape[1]))
+    dtype = property(lambda self: self.t.dtype)
+    device = property(lambda self: self.t.device)
+
+    # init
+    def zeros_(self) -> None:
+        self.t.zero_()
+
+    def fill_(self, value: float) -> None:
+        self.t.fill_(value)
+
+    def uniform_(self, low: float, high: float) -> None:
+        self.t.uniform_(low, high)
+
+    def normal_(self, mean: float, std: float) -> None:
+        if std < 0:
+            raise StpipeValueError(f"stdDev must be >= 0, got {std}")
+        self.t.normal_(mean, std)
+
+    def init_(self, fn: Callable[..., Any], *args: Any) -> None:
+        with torch.no_grad():
+            fn(self.t, *args)
+
+    def copy_from(self, src: Union[np.ndarray, torch.Tensor]) -> None:
+        _copy_chunked(self.t, src)
+
+    # movement
+    def gather(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        rows = self.t.index_select(0, _ids_tensor(ids, self.t.device))
+        return _to_device(rows, device)
+
+    def scatter(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        rows = rows.detach().to(device=self.t.device, dtype=self.t.dtype)
+        self.t.index_copy_(0, _ids_tensor(ids, self.t.device), rows)
+
+    # whole table
+    def cpu_tensor(self) -> torch.Tensor:
+        """A CPU copy of the table."""
+        return self.t.detach().to("cpu", copy=True)
+
+    def numpy(self) -> np.ndarray:
+        return self.cpu_tensor().numpy()
+
+    def chunks(self, rows_per_chunk: int):
+        for a in range(0, self.num_rows, rows_per_chunk):
+            yield self.t[a:a + rows_per_chunk].cpu().numpy()
+
+    def close(self) -> None:
+        self.t = None  # type: ignore[assignment]
+
+
+class _HostStore:
+    """A table in a :class:`stpipe.host.HostTable` (pinned host memory).
+
+    Gathers and scatters run on the current stream of the table's device; the table
+    orders its own accesses with events (no device-wide sync).
+    """
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.sorted_helps = table.device.type == "cuda"
+
+    @classmethod
+    def empty(cls, n: int, dim: int, dtype: torch.dtype, device: torch.device,
+              pin: bool, backend: str) -> "_HostStore":
+        return cls(_new_host_table(lambda **kw: _host_table_cls()(n, dim, dtype, **kw),
+                                   device, pin, backend))
+
+    num_rows = property(lambda self: self.table.num_rows)
+    dim = property(lambda self: self.table.dim)
+    dtype = property(lambda self: self.table.dtype)
+    device = property(lambda self: self.table.device)
+
+    def zeros_(self) -> None:
+        self.table.zeros_()
+
+    def fill_(self, value: float) -> None:
+        self.table.init_(torch.nn.init.constant_, float(value))
+
+    def uniform_(self, low: float, high: float) -> None:
+        self.table.uniform_(low, high)
+
+    def normal_(self, mean: float, std: float) -> None:
+        self.table.normal_(mean, std)
+
+    def init_(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.table.init_(fn, *args)
+
+    def copy_from(self, src: Union[np.ndarray, torch.Tensor]) -> None:
+        if isinstance(src, np.ndarray) and src.dtype.kind != "f":
+            src = src.astype(np.float32)
+        self.table.copy_from(src)
+
+    def _stream(self) -> Optional["torch.cuda.Stream"]:
+        dev = self.table.device
+        return torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+
+    def gather(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        rows = self.table.gather(ids, stream=self._stream())
+        return _to_device(rows, device)
+
+    def scatter(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        rows = rows.detach()
+        if rows.device != self.table.device or rows.dtype != self.table.dtype:
+            rows = rows.to(device=self.table.device, dtype=self.table.dtype)
+        self.table.scatter(ids, rows, stream=self._stream(), assume_unique=True)
+
+    def cpu_tensor(self) -> torch.Tensor:
+        return self.table.tensor().clone()
+
+    def numpy(self) -> np.ndarray:
+        return self.table.numpy().copy()
+
+    def chunks(self, rows_per_chunk: int):
+        t = self.table.tensor()
+        for a in range(0, self.num_rows, rows_per_chunk):
+            yield t[a:a + rows_per_chunk].numpy()
+
+    def close(self) -> None:
+        self.table.close()
+
+
+def _host_table_cls():
+    from ..host import HostTable  # imported lazily: compat sits on top of the core
+
+    return HostTable
+
+
+def _new_host_table(make: Callable[..., Any], device: torch.device, pin: bool,
+                    backend: str) -> Any:
+    """Build a HostTable; a backend that cannot load here falls back to ``torch``."""
+    try:
+        return make(device=device, pin=pin, backend=backend)
+    except (BackendUnavailableError, ImportError) as exc:
+        if backend == "torch":
+            raise
+        _warn_once(
+            "backend-" + backend,
+            f"stpipe backend {backend!r} is unavailable here ({exc}); using 'torch'.",
+        )
+        return make(device=device, pin=pin, backend="torch")
+
+
+def _to_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if rows.device == device:
+        return rows
+    # H2D may be asynchronous (pinned or device source); D2H must be blocking because
+    # the destination is pageable memory the caller reads right away.
+    return rows.to(device, non_blocking=device.type == "cuda")
+
+
+def _copy_chunked(dst: torch.Tensor, src: Union[np.ndarray, torch.Tensor],
+                  chunk_bytes: int = 64 << 20) -> None:
+    """``dst.copy_(src)`` in row chunks (``src`` may be a memory-mapped array)."""
+    if tuple(src.shape) != tuple(dst.shape):
+        raise StpipeValueError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    row = max(1, int(np.prod(dst.shape[1:], dtype=np.int64)) * dst.element_size())
+    per = max(1, chunk_bytes // row)
+    with torch.no_grad():
+        for a in range(0, int(dst.shape[0]), per):
+            part = src[a:a + per]
+            if isinstance(part, np.ndarray):
+                part = torch.from_numpy(np.array(part, copy=True, order="C"))
+            dst[a:a + per].copy_(part)
+
+
+def _new_store(n: int, dim: int, dtype: torch.dtype, where: _Placement,
+               device: torch.device) -> Union[_TensorStore, _HostStore]:
+    """An uninitialised ``(n, dim)`` table placed per ``where``; host tables send
+    gathered rows to ``device``."""
+    if where.where == "device":
+        return _TensorStore.empty(n, dim, dtype, where.table_device)
+    if dtype in _HOST_DTYPES:
+        return _HostStore.empty(n, dim, dtype, device, where.pin, where.backend)
+    return _TensorStore.empty(n, dim, dtype, torch.device("cpu"), pin=where.pin)
+
+
+# ---------------------------------------------------------------------------------------
+# files
+# ---------------------------------------------------------------------------------------
+def _npy_name(name: PathLike) -> str:
+    """``np.save``'s (and so ``cupy.save``'s) naming rule: append ``.npy`` if missing."""
+    path = os.fspath(name)
+    return path if path.endswith(".npy") else path + ".npy"
+
+
+def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Write through ``write(file)`` into a temporary file, then rename it over ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _save_store_npy(store: Union[_TensorStore, _HostStore], path: str,
+                    shape: Tuple[int, ...]) -> None:
+    """Save a store as a ``.npy`` file of ``shape`` (its rows reshaped), atomically."""
+    if isinstance(store, _HostStore) and len(shape) == 2:
+        store.table.save(path)
+        return
+    if store.dtype == torch.bfloat16:
+        raise StpipeTypeError("a bfloat16 table without a HostTable cannot be saved as .npy")
+    np_dtype = torch.empty(0, dtype=store.dtype).numpy().dtype
+
+    def write(f: Any) -> None:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": np.lib.format.dtype_to_descr(np_dtype), "fortran_order": False,
+                "shape": tuple(int(s) for s in shape)})
+        per = max(1, (64 << 20) // max(1, store.dim * np_dtype.itemsize))
+        for part in store.chunks(per):
+            f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
+
+    _atomic_write(path, write)
+
+
+def _open_npy(path: PathLike) -> np.ndarray:
+    """Memory-map a ``.npy`` file (never unpickles)."""
+    path = os.fspath(path)
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        raise StpipeValueError(
+            f"{path}: cannot read it as a .npy array without unpickling ({exc}); stpipe "
+            "refuses pickled data"
+        ) from None
+
+
+def _load_store(path: PathLike, where: _Placement, device: torch.device,
+                expect: Optional[Tuple[int, int]] = None,
+                dtype: Optional[torch.dtype] = None) -> Tuple[Union[_TensorStore, _HostStore], Tuple[int, ...]]:
+    """Load a ``.npy`` file into a new store placed per ``where``.
+
+    Args:
+        expect: the ``(num_rows, dim)`` the file must have (switchers), or None (any
+            shape: a DataGadget; rows of more than one dimension are flattened).
+        dtype: convert to this dtype (switchers); None keeps the file's.
+
+    Returns:
+        ``(store, file_shape)``.
+    """
+    arr = _open_npy(path)
+    if arr.ndim == 0:
+        raise StpipeValueError(f"{os.fspath(path)}: expected an array of rows, got a scalar")
+    shape = tuple(int(s) for s in arr.shape)
+    if expect is not None and shape != tuple(expect):
+        raise StpipeValueError(
+            f"{os.fspath(path)} holds a table of shape {shape}, expected {tuple(expect)} "
+            "(total_classes, embed_dimension)"
+        )
+    flat = arr.reshape(shape[0], -1) if arr.ndim != 2 else arr
+    try:
+        file_dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
+    except TypeError:
+        raise StpipeTypeError(f"{os.fspath(path)}: unsupported dtype {arr.dtype}") from None
+    want = dtype or file_dtype
+    n, dim = int(flat.shape[0]), int(flat.shape[1])
+    if (where.where == "host" and want in _HOST_DTYPES and want == file_dtype
+            and arr.ndim == 2 and arr.dtype.str in ("<f4", "<f2")):
+        del arr, flat  # HostTable.load reads the file straight into the table
+        table = _new_host_table(
+            lambda **kw: _host_table_cls().load(path, **kw), device, where.pin, where.backend)
+        return _HostStore(table), shape
+    if where.where == "host" and want in _HOST_DTYPES:
+        store = _HostStore.empty(n, dim, want, device, where.pin, where.backend)
+        store.copy_from(flat)  # chunk-wise, converted to the table's dtype
+        return store, shape
+    table_device = where.table_device if where.where == "device" else torch.device("cpu")
+    t = _TensorStore.empty(n, dim, want, table_device,
+                           pin=where.pin and where.where == "host").t
+    _copy_chunked(t, flat)
+    return _TensorStore(t), shape
+
+
+# ---------------------------------------------------------------------------------------
+# ids → the rows a step moves
+# ---------------------------------------------------------------------------------------
+def _flat_ids(pos: Any, neg: Any, num_rows: int) -> np.ndarray:
+    """SpeedTorch's reshaped retrieval: ``concat(pos.ravel(), neg.ravel())``, checked."""
+    a = as_index_array(pos).reshape(-1)
+    if neg is None:
+        return a
+    b = as_index_array(neg).reshape(-1)
+    return np.concatenate([a, b]) if a.dtype == b.dtype else np.concatenate(
+        [a.astype(np.int64), b.astype(np.int64)])
+
+
+class _Layout:
+    """How one batch's ids map onto the rows a model variable holds.
+
+    ``compact`` (deduplicated): the weight holds the ``k`` unique ids ascending and the
+    embedding's pre-hook maps position ``i`` to row ``inverse[i]``. Otherwise the weight
+    holds one row per position (SpeedTorch's layout) and write-back keeps, for each unique
+    id, the row of its last occurrence.
+    """
+
+    def __init__(self, flat: np.ndarray, num_rows: int, dedup: bool) -> None:
+        self.ids = np.array(flat, copy=True)
+        self.num_rows = int(num_rows)
+        self.dedup = bool(dedup)
+        self.plan = plan(self.ids, num_rows)
+        self.unique = self.plan.unique
+        self.inverse = self.plan.inverse.reshape(-1)
+        self.n = int(self.ids.shape[0])
+        self.k = self.plan.num_unique
+        self.has_dups = self.k < self.n
+        self.compact = self.dedup and self.has_dups
+        # ids already sorted and unique: gathering `unique` gives the layout directly
+        self.identity = (not self.has_dups) and bool(np.array_equal(self.unique, self.ids))
+        self._dev: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._last: Optional[np.ndarray] = None
+
+    @property
+    def weight_rows(self) -> int:
+        """Rows the model variable holds for this batch."""
+        return self.k if self.compact else self.n
+
+    def matches(self, flat: np.ndarray, num_rows: int, dedup: bool) -> bool:
+        return (num_rows == self.num_rows and dedup == self.dedup
+                and flat.shape == self.ids.shape and np.array_equal(flat, self.ids))
+
+    def last_pos(self) -> np.ndarray:
+        """``(k,)`` position of the last occurrence of each unique id."""
+        if self._last is None:
+            last = np.full(self.k, -1, dtype=np.int64)
+            if self.has_dups:
+                np.maximum.at(last, self.inverse, np.arange(self.n, dtype=np.int64))
+            else:
+                last[self.inverse] = np.arange(self.n, dtype=np.int64)
+            self._last = last
+        return self._last
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """``inverse`` / ``last`` / ``ids`` as an int64 tensor on ``device`` (cached)."""
+        key = (name, str(device))
+        got = self._dev.get(key)
+        if got is None:
+            src = {"inverse": self.inverse, "last": self.last_pos(), "ids": self.ids}[name]
+            got = _ids_tensor(src, device)
+            self._dev[key] = got
+        return got
+
+    def gather(self, store: Any, device: torch.device) -> torch.Tensor:
+        """The rows in this layout, on ``device``."""
+        if self.compact or self.identity:
+            return store.gather(self.unique, device)
+        if store.sorted_helps:  # read host memory in address order, permute on device
+            rows = store.gather(self.unique, device)
+            return rows.index_select(0, self.on("inverse", rows.device))
+        return store.gather(self.ids.astype(np.int64, copy=False), device)
+
+    def scatter(self, store: Any, rows: torch.Tensor) -> None:
+        """Write rows of this layout back, one write per unique id."""
+        rows = rows.detach()
+        if rows.shape[0] != self.weight_rows:
+            raise StpipeValueError(
+                f"expected {self.weight_rows} rows for these ids, got {rows.shape[0]}: "
+                "afterOptimizerStep must get the ids given to beforeForwardPass"
+            )
+        if self.compact or self.identity:
+            store.scatter(self.unique, rows)
+        elif not self.has_dups and not store.sorted_helps:
+            store.scatter(self.ids.astype(np.int64, copy=False), rows)
+        else:
+            store.scatter(self.unique, rows.index_select(0, self.on("last", rows.device)))
+
+
+#: the last layout computed for each parameter (shared by its model and optimizer switchers)
+_layouts: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+#: the dedup choice of the ModelFactory that owns a parameter
+_dedup_of: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int) -> _Layout:
+    """The layout of these ids for ``param``; reuses the last one when the ids match."""
+    dedup = _dedup_of.get(param, True)
+    flat = _flat_ids(pos, neg, num_rows)
+    last = _layouts.get(param)
+    if last is not None and last.matches(flat, num_rows, dedup):
+        return last
+    try:
+        lay = _Layout(flat, num_rows, dedup)
+    except StpipeIndexError:
+        # name the argument that holds the bad id
+        check_ids(pos, num_rows)
+        if neg is not None:
+            try:
+                check_ids(neg, num_rows)
+            except StpipeIndexError as exc:
+                raise StpipeIndexError(f"retrievedNegIndexes: {exc}") from None
+        raise
+    _layouts[param] = lay
+    return lay
+
+
+# ---------------------------------------------------------------------------------------
+# shared pieces of the switchers
+# ---------------------------------------------------------------------------------------
+def _variable_transformer(batchSize: int, posPerBatch: int, negPerBatch: Optional[int] = None):
+    n_pos = batchSize * posPerBatch
+    pos = np.arange(n_pos).reshape(batchSize, posPerBatch)
+    if negPerBatch is None:
+        return pos
+    neg = np.arange(n_pos, n_pos + batchSize * negPerBatch).reshape(batchSize, negPerBatch)
+    return pos, neg
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StpipeTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if int(value) <= 0:
+        raise StpipeValueError(f"{name} must be > 0, got {value}")
+    return int(value)
+
+
+def _install(w: torch.Tensor, rows: torch.Tensor) -> None:
+    """``w.data = rows``, safe when the row count changes between batches.
+
+    Autograd caches a leaf's gradient accumulator together with the leaf's shape, and
+    ``set_data`` renews it only when the dtype or device changes; with deduplication the
+    row count varies from batch to batch, so a graph still alive from the previous step
+    (e.g. the user's ``loss`` variable) would make the next backward fail with "invalid
+    gradient ... expected shape compatible with [k_old, dim]". Passing through a tensor of
+    another dtype drops the cached accumulator, so the next forward builds a fresh one.
+    """
+    with torch.no_grad():
+        if w.grad is not None and w.grad.shape != rows.shape:
+            w.grad = None  # a stale gradient of another batch's shape
+        if w.shape != rows.shape:
+            other = torch.float64 if rows.dtype != torch.float64 else torch.float32
+            w.data = torch.empty(0, dtype=other, device=rows.device)
+        w.data = rows
+
+
+def _weight_of(model_variable: Any) -> torch.nn.Parameter:
+    w = getattr(model_variable, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise StpipeTypeError(
+            "model_variable must be an embedding module with a .weight parameter (e.g. "
+            f"model.u_embeddings), got {type(model_variable).__name__}"
+        )
+    return w
+
+
+class _TableSwitch:
+    """Common part of the model switchers: one table, init, files, numpy."""
+
+    _cupy_named = False
+
+    def _setup_table(self, total_classes: Any, embed_dimension: Any, datatype: Any) -> None:
+        self.total_classes = _check_count("total_classes", total_classes)
+        self.embed_dimension = _check_count("embed_dimension", embed_dimension)
+        self._dtype = _as_dtype(datatype)
+        self._store: Optional[Union[_TensorStore, _HostStore]] = None
+
+    def _rows_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _fresh(self) -> Union[_TensorStore, _HostStore]:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self._store = _new_store(self.total_classes, self.embed_dimension, self._dtype,
+                                 self._where, self._rows_device())
+        return self._store
+
+    def _require(self) -> Union[_TensorStore, _HostStore]:
+        if self._store is None:
+            raise StpipeRuntimeError(
+                f"{type(self).__name__} has no table yet: call zerosInit(), "
+                "uniformDistributionInit(), normalDistributionInit()"
+                + (", customInit()" if hasattr(self, "customInit") else "")
+                + " or a load method first"
+            )
+        return self._store
+
+    # -- initialisers (SpeedTorch names) --------------------------------------------
+    def zerosInit(self) -> None:
+        """Create the table filled with zeros."""
+        self._fresh().zeros_()
+
+    def uniformDistributionInit(self, low: float, high: float) -> None:
+        """Create the table with U(low, high) draws (torch's RNG)."""
+        self._fresh().uniform_(low, high)
+
+    def normalDistributionInit(self, mean: float, stdDev: float) -> None:
+        """Create the table with N(mean, stdDev²) draws (torch's RNG)."""
+        self._fresh().normal_(mean, stdDev)
+
+    def variableTransformer(self, batchSize: int, posPerBatch: int, negPerBatch: Optional[int] = None):
+        """Dummy inputs for the model: positions ``0..batchSize*posPerBatch-1`` shaped
+        ``(batchSize, posPerBatch)``, and with ``negPerBatch`` a second array continuing
+        the numbering, shaped ``(batchSize, negPerBatch)`` (numpy int64)."""
+        return _variable_transformer(batchSize, posPerBatch, negPerBatch)
+
+    def getNumpyVersion(self) -> np.ndarray:
+        """A numpy copy of the full ``(total_classes, embed_dimension)`` table (waits for
+        pending transfers of this table)."""
+        return self._require().numpy()
+
+    def _save_npy(self, saveFileName: PathLike) -> None:
+        _save_store_npy(self._require(), _npy_name(saveFileName),
+                        (self.total_classes, self.embed_dimension))
+
+    def _load_npy(self, loadFileName: PathLike) -> None:
+        store, _ = _load_store(loadFileName, self._where, self._rows_device(),
+                               expect=(self.total_classes, self.embed_dimension),
+                               dtype=self._dtype)
+        if self._store is not None:
+            self._store.close()
+        self._store = store
+
+
+# ---------------------------------------------------------------------------------------
+# model switchers
+# ---------------------------------------------------------------------------------------
+class _ModelSwitch(_TableSwitch):
+    def _attach(self, model_variable: Any, dedup: bool) -> None:
+        if not isinstance(model_variable, torch.nn.Module):
+            raise StpipeTypeError(
+                "model_variable must be an nn.Module with a .weight (e.g. an nn.Embedding), "
+                f"got {type(model_variable).__name__}"
+            )
+        self.model_variable = model_variable
+        w = _weight_of(model_variable)
+        self._dedup = bool(dedup)
+        _dedup_of[w] = self._dedup
+        self._layout: Optional[_Layout] = None
+        self._hook = model_variable.register_forward_pre_hook(self._remap_hook, with_kwargs=True)
+
+    def _rows_device(self) -> torch.device:
+        return _weight_of(self.model_variable).device
+
+    def _remap_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """Forward pre-hook: dummy position ``i`` → row ``inverse[i]`` (dedup only)."""
+        lay = self._layout
+        if lay is None or not lay.compact:
+            return None
+        if args and isinstance(args[0], torch.Tensor):
+            inp = args[0]
+            return (self._remap(lay, inp),) + tuple(args[1:]), kwargs
+        if isinstance(kwargs.get("input"), torch.Tensor):
+            kwargs = dict(kwargs)
+            kwargs["input"] = self._remap(lay, kwargs["input"])
+            return args, kwargs
+        return None
+
+    @staticmethod
+    def _remap(lay: _Layout, inp: torch.Tensor) -> torch.Tensor:
+        inverse = lay.on("inverse", inp.device)
+        flat = inp.reshape(-1)
+        if flat.dtype not in (torch.int32, torch.int64):
+            flat = flat.long()
+        return inverse.index_select(0, flat).view(inp.shape)
+
+    def beforeForwardPass(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Load the rows of the batch's ids into the model variable's weight.
+
+        The ids are ``retrievedPosIndexes`` flattened, then ``retrievedNegIndexes``
+        flattened. Without duplicates, weight row ``j`` holds the ``j``-th id (as in
+        SpeedTorch). With duplicates the weight holds the unique rows (ascending) and
+        the module's forward remaps dummy positions onto them (see the module docs).
+
+        Streams: the gather runs on the current stream of the weight's device (a host
+        table first waits, by event, for its last scatter); nothing syncs the device.
+
+        Raises:
+            IndexError: an id outside ``[0, total_classes)``.
+            TypeError: non-integer ids.
+            RuntimeError: no table yet (call an initialiser).
+        """
+        store = self._require()
+        w = _weight_of(self.model_variable)
+        lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        rows = lay.gather(store, w.device)
+        _install(w, rows)
+        self._layout = lay
+
+    def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Write the model variable's weight rows back to the batch's ids (each unique id
+        once).
+
+        Streams: the scatter reads the weight on the current stream of its device, after
+        the optimizer step queued there; a host table keeps the rows alive
+        (``record_stream``) and records an event that later gathers wait on.
+
+        Raises:
+            IndexError: an id outside ``[0, total_classes)``.
+            ValueError: the weight does not hold these ids' rows (different ids than at
+                :meth:`beforeForwardPass`).
+        """
+        store = self._require()
+        w = _weight_of(self.model_variable)
+        lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        lay.scatter(store, w.data)
+
+    def close(self) -> None:
+        """Remove the forward pre-hook and free the table."""
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+class ModelFactory(_ModelSwitch):
+    """SpeedTorch's CuPy-backed model switcher for an embedding's weight.
+
+    Args:
+        model_variable: the embedding module (``model.u_embeddings``); its ``.weight``
+            receives the batch rows.
+        total_classes: rows of the full table.
+        embed_dimension: columns of the full table.
+        datatype: ``'float32'`` (default), ``'float16'`` or a torch dtype.
+        CPUPinn: keep the table in pinned host memory (a :class:`stpipe.host.HostTable`)
+            instead of GPU memory (a torch tensor; a CPU tensor where CUDA is missing).
+        dedup: (stpipe only, keyword) deduplicate batch ids; see the module docs.
+
+    Files: :meth:`saveCupy` / :meth:`loadCupy` (``.npy``, readable by SpeedTorch).
+    """
+
+    _cupy_named = True
+
+    def __init__(self, model_variable: Any, total_classes: int, embed_dimension: int,
+                 datatype: Any = "float32", CPUPinn: bool = False, *, dedup: bool = True) -> None:
+        self._setup_table(total_classes, embed_dimension, datatype)
+        self.datatype = datatype
+        self.CPUPinn = CPUPinn
+        self._attach(model_variable, dedup)
+        w = _weight_of(model_variable)
+        self._where = _placement(on_gpu=not CPUPinn, pin=bool(CPUPinn), cupy_named=True,
+                                 what="ModelFactory",
+                                 gpu_device=w.device if w.device.type == "cuda" else None)
+
+    def saveCupy(self, saveFileName: PathLike) -> None:
+        """Save the table as ``.npy`` (``np.save`` naming: ``.npy`` appended if missing),
+        atomically."""
+        self._save_npy(saveFileName)
+
+    def loadCupy(self, loadFileName: PathLike) -> None:
+        """Replace the table with a ``.npy`` file of shape ``(total_classes,
+        embed_dimension)`` (converted to ``datatype``).
+
+        Raises:
+            ValueError: the file's shape differs, or it needs unpickling.
+        """
+        self._load_npy(loadFileName)
+
+
+class PytorchModelFactory(_ModelSwitch):
+    """SpeedTorch's torch-backed model switcher.
+
+    Args:
+        model_variable, total_classes, embed_dimension, datatype: as :class:`ModelFactory`.
+        deviceType: ``'cuda'`` (table in GPU memory) or ``'cpu'`` (host memory).
+        pinType: page-lock a ``'cpu'`` table.
+        dedup: (stpipe only, keyword) see the module docs.
+    """
+
+    def __init__(self, model_variable: Any, total_classes: int, embed_dimension: int,
+                 datatype: Any = "float32", deviceType: Any = "cuda", pinType: bool = False,
+                 *, dedup: bool = True) -> None:
+        self._setup_table(total_classes, embed_dimension, datatype)
+        self.dtype = self._dtype
+        self.deviceType = deviceType
+        self.pinType = pinType
+        self._attach(model_variable, dedup)
+        dev = torch.device(deviceType)
+        self._where = _placement(on_gpu=dev.type == "cuda", pin=bool(pinType),
+                                 cupy_named=False, what=type(self).__name__,
+                                 gpu_device=dev if dev.type == "cuda" else None)
+
+    def customInit(self, initFunction: Callable[..., Any], *args: Any) -> None:
+        """Create the table and fill it with ``initFunction(table, *args)`` (any
+        ``torch.nn.init`` function; on a host table it is applied chunk-wise with the
+        full table's fan-in/fan-out)."""
+        self._fresh().init_(initFunction, *args)
+
+    def saveTorch(self, saveFileName: PathLike) -> None:
+        """``torch.save`` the table as a CPU tensor, atomically."""
+        t = self._require().cpu_tensor()
+        _atomic_write(os.fspath(saveFileName), lambda f: torch.save(t, f))
+
+    def loadTorch(self, loadFileName: PathLike) -> None:
+        """Replace the table with a tensor saved by :meth:`saveTorch` (or by SpeedTorch).
+
+        Loads with ``weights_only=True`` onto the CPU, then places it.
+
+        Raises:
+            ValueError: not a ``(total_classes, embed_dimension)`` tensor.
+        """
+        t = torch.load(os.fspath(loadFileName), map_location="cpu", weights_only=True)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.total_classes, self.embed_dimension):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise StpipeValueError(
+                f"{os.fspath(loadFileName)}: expected a tensor of shape "
+                f"{(self.total_classes, self.embed_dimension)}, got {got}"
+            )
+        self._fresh().copy_from(t.to(self._dtype))
+
+
+class GPUPytorchModelFactory(PytorchModelFactory):
+    """SpeedTorch's older name: :class:`PytorchModelFactory` with the table on the GPU."""
+
+    def __init__(self, model_variable: Any, total_classes: int, embed_dimension: int,
+                 datatype: Any = torch.float, *, dedup: bool = True) -> None:
+        super().__init__(model_variable, total_classes, embed_dimension, datatype,
+                         deviceType="cuda", pinType=False, dedup=dedup)
+
+
+class CPUPytorchModelFactory(PytorchModelFactory):
+    """SpeedTorch's older name: :class:`PytorchModelFactory` with the table in pinned
+    host memory."""
+
+    def __init__(self, model_variable: Any, total_classes: int, embed_dimension: int,
+                 datatype: Any = torch.float, *, dedup: bool = True) -> None:
+        super().__init__(model_variable, total_classes, embed_dimension, datatype,
+                         deviceType="cpu", pinType=True, dedup=dedup)
+
+
+# ---------------------------------------------------------------------------------------
+# optimizer state
+# ---------------------------------------------------------------------------------------
+def _scalar(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _rows_spec(name: str, group: dict, defaults: dict) -> List[Tuple[str, float]]:
+    """Per-row state keys of optimizer ``name`` and the value of a never-seen row
+    (from ``torch/optim/*.py``: zeros unless noted)."""
+    g = lambda key, default=None: group.get(key, defaults.get(key, default))  # noqa: E731
+    if name in ("Adam", "AdamW"):
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if g("amsgrad", False) else [])
+        return [(k, 0.0) for k in keys]
+    if name in ("SparseAdam", "NAdam", "RAdam"):
+        return [("exp_avg", 0.0), ("exp_avg_sq", 0.0)]
+    if name == "Adamax":
+        return [("exp_avg", 0.0), ("exp_inf", 0.0)]
+    if name == "Adagrad":
+        return [("sum", _scalar(g("initial_accumulator_value", 0.0)))]
+    if name == "Adadelta":
+        return [("square_avg", 0.0), ("acc_delta", 0.0)]
+    if name == "RMSprop":
+        keys = ["square_avg"]
+        if g("momentum", 0) > 0:
+            keys.append("momentum_buffer")
+        if g("centered", False):
+            keys.append("grad_avg")
+        return [(k, 0.0) for k in keys]
+    if name == "Rprop":
+        return [("prev", 0.0), ("step_size", _scalar(g("lr")))]
+    if name == "ASGD":
+        return [("ax", 0.0)]
+    if name == "SGD":
+        # torch sets buf = grad on a parameter's first step; 0 * momentum + grad is the
+        # same for dampening=0 (the default).
+        return [("momentum_buffer", 0.0)] if g("momentum", 0) != 0 else []
+    raise AssertionError(name)  # pragma: no cover - guarded by SUPPORTED_OPTIMIZERS
+
+
+#: optimizers the optimizer switchers support (the documented nine, plus SGD, NAdam, RAdam)
+SUPPORTED_OPTIMIZERS = ("SparseAdam", "Adagrad", "Adadelta", "Adamax", "Adam", "AdamW",
+                        "ASGD", "RMSprop", "Rprop", "SGD", "NAdam", "RAdam")
+
+
+def _optimizer_kind(opt: torch.optim.Optimizer) -> str:
+    for cls in type(opt).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in SUPPORTED_OPTIMIZERS:
+            return cls.__name__
+    raise StpipeValueError(
+        f"optimizer {type(opt).__name__} is not supported by the SpeedTorch switchers; "
+        f"expected one of {', '.join(SUPPORTED_OPTIMIZERS)} (or a subclass)"
+    )
+
+
+def _scalar_dtype(fused: bool = False) -> torch.dtype:
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        return _get_scalar_dtype(is_fused=fused)
+    except (ImportError, TypeError):  # pragma: no cover - older torch
+        return torch.float32
+
+
+def _init_scalar_state(kind: str, group: dict, p: torch.Tensor, state: dict) -> None:
+    """Create the scalar state of a fresh parameter as ``torch.optim`` does (its
+    ``_init_group``), so that installing per-row state does not skip it."""
+    fused = bool(group.get("fused") or False)
+    capturable = bool(group.get("capturable") or False)
+    dt = _scalar_dtype(fused)
+
+    def step() -> torch.Tensor:
+        on_device = capturable or (fused and kind in ("Adam", "AdamW", "Adagrad"))
+        if on_device:
+            return torch.zeros((), dtype=dt, device=p.device)
+        return torch.tensor(0.0, dtype=_scalar_dtype())
+
+    if kind == "SGD":
+        return
+    if kind == "SparseAdam":
+        state["step"] = 0
+    elif kind == "ASGD":
+        state["step"] = torch.zeros((), device=p.device, dtype=_scalar_dtype())
+        state["eta"] = torch.as_tensor(_scalar(group["lr"]), device=p.device,
+                                       dtype=_scalar_dtype()).clone().detach()
+        state["mu"] = torch.ones((), device=p.device, dtype=_scalar_dtype())
+    elif kind == "NAdam":
+        state["step"] = step()
+        state["mu_product"] = (torch.ones((), dtype=_scalar_dtype(), device=p.device)
+                               if capturable else torch.tensor(1.0, dtype=_scalar_dtype()))
+    else:
+        state["step"] = step()
+
+
+def _find_param(model: torch.nn.Module, variable_name: str) -> torch.nn.Parameter:
+    """``model.<variable_name>.weight`` (SpeedTorch matched parameter names minus
+    ``.weight``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise StpipeTypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(variable_name, str):
+        raise StpipeTypeError(f"variable_name must be a str, got {type(variable_name).__name__}")
+    for name in (variable_name + ".weight", variable_name):
+        try:
+            return model.get_parameter(name)
+        except AttributeError:
+            continue
+    names = [n[: -len(".weight")] for n, _ in model.named_parameters() if n.endswith(".weight")]
+    raise StpipeValueError(
+        f"model has no variable {variable_name!r} with a .weight; expected one of {names}"
+    )
+
+
+class _OptimizerSwitch:
+    """Common part of the optimizer switchers."""
+
+    _cupy_named = False
+
+    def _setup_opt(self, given_optimizer: Any, total_classes: Any, embed_dimension: Any,
+                   model: Any, variable_name: str, dtype: Any) -> None:
+        if not isinstance(given_optimizer, torch.optim.Optimizer):
+            raise StpipeTypeError(
+                f"given_optimizer must be a torch.optim.Optimizer, got {type(given_optimizer).__name__}"
+            )
+        self.given_optimizer = given_optimizer
+        self.total_classes = _check_count("total_classes", total_classes)
+        self.embed_dimension = _check_count("embed_dimension", embed_dimension)
+        self.model = model
+        self.variable_name = variable_name
+        self._dtype = _as_dtype(dtype, "dtype")
+        self._param = _find_param(model, variable_name)
+        if self._param.dim() != 2 or self._param.shape[1] != self.embed_dimension:
+            raise StpipeValueError(
+                f"model.{variable_name}.weight has shape {tuple(self._param.shape)}, expected "
+                f"(rows, {self.embed_dimension})"
+            )
+        self._group = None
+        for group in given_optimizer.param_groups:
+            if any(q is self._param for q in group["params"]):
+                self._group = group
+        if self._group is None:
+            raise StpipeValueError(
+                f"model.{variable_name}.weight is not among given_optimizer's parameters"
+            )
+        self._kind = _optimizer_kind(given_optimizer)
+        self._spec = _rows_spec(self._kind, self._group, given_optimizer.defaults)
+        #: the per-row state keys (SpeedTorch's name)
+        self.optVarList = [k for k, _ in self._spec]
+        self._tables: Optional[Dict[str, Union[_TensorStore, _HostStore]]] = None
+
+    def optInit(self) -> None:
+        """Create one ``(total_classes, embed_dimension)`` table per per-row state key,
+        every row at the optimizer's initial value (Adagrad's
+        ``initial_accumulator_value``, Rprop's ``lr`` for ``step_size``, else 0)."""
+        self.close()
+        self._spec = _rows_spec(self._kind, self._group, self.given_optimizer.defaults)
+        self.optVarList = [k for k, _ in self._spec]
+        tables = {}
+        for key, value in self._spec:
+            store = _new_store(self.total_classes, self.embed_dimension, self._dtype,
+                               self._where, self._param.device)
+            if value == 0.0:
+                store.zeros_()
+            else:
+                store.fill_(value)
+            tables[key] = store
+        self._tables = tables
+
+    def _require(self) -> Dict[str, Union[_TensorStore, _HostStore]]:
+        if self._tables is None:
+            raise StpipeRuntimeError(f"{type(self).__name__}: call optInit() first")
+        return self._tables
+
+    def beforeForwardPass(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Install the batch's rows of every per-row state table in
+        ``given_optimizer.state[weight]`` (same layout as the model switcher's weight).
+
+        A parameter without state gets its scalar state created as the optimizer would
+        (``step`` = 0, ASGD ``eta`` = lr, ``mu`` = 1, ...). Streams as
+        :meth:`ModelFactory.beforeForwardPass`.
+
+        Raises:
+            IndexError: an id outside ``[0, total_classes)``.
+            RuntimeError: :meth:`optInit` was not called.
+        """
+        tables = self._require()
+        p = self._param
+        lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        state = self.given_optimizer.state[p]
+        if len(state) == 0:
+            _init_scalar_state(self._kind, self._group, p, state)
+        for key, store in tables.items():
+            state[key] = lay.gather(store, p.device)
+
+    def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Write the per-row state rows of the batch back to their tables (each unique id
+        once). Keys the optimizer has not created (no step yet) are skipped.
+
+        Raises:
+            IndexError: an id outside ``[0, total_classes)``.
+            ValueError: state rows of another batch's shape.
+        """
+        tables = self._require()
+        p = self._param
+        lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        state = self.given_optimizer.state.get(p, {})
+        for key, store in tables.items():
+            t = state.get(key)
+            if isinstance(t, torch.Tensor):
+                lay.scatter(store, t)
+
+    def getNumpyVersion(self) -> Dict[str, np.ndarray]:
+        """(stpipe addition) ``{state key: full table as numpy}``."""
+        return {k: s.numpy() for k, s in self._require().items()}
+
+    def close(self) -> None:
+        """Free the state tables."""
+        for store in (self._tables or {}).values():
+            store.close()
+        self._tables = None
+
+
+class OptimizerFactory(_OptimizerSwitch):
+    """SpeedTorch's CuPy-backed switcher for an embedding's optimizer state.
+
+    Args:
+        given_optimizer: a ``torch.optim`` optimizer holding ``model.<variable_name>.weight``
+            (see :data:`SUPPORTED_OPTIMIZERS`; Rprop may be switched before or after its
+            first step).
+        total_classes, embed_dimension: the full table's shape.
+        model: the model.
+        variable_name: the embedding's attribute name (``'u_embeddings'``).
+        dtype: ``'float32'`` (default), ``'float16'`` or a torch dtype of the state tables.
+        CPUPinn: keep the state tables in pinned host memory instead of GPU memory.
+
+    Raises:
+        TypeError: not an optimizer/model.
+        ValueError: an unsupported optimizer, an unknown variable, or a weight that is
+            not in the optimizer.
+    """
+
+    _cupy_named = True
+
+    def __init__(self, given_optimizer: Any, total_classes: int, embed_dimension: int,
+                 model: Any, variable_name: str, dtype: Any = "float32",
+                 CPUPinn: bool = False) -> None:
+        self._setup_opt(given_optimizer, total_classes, embed_dimension, model,
+                        variable_name, dtype)
+        self.datatype = dtype
+        self.CPUPinn = CPUPinn
+        dev = self._param.device
+        self._where = _placement(on_gpu=not CPUPinn, pin=bool(CPUPinn), cupy_named=True,
+                                 what="OptimizerFactory",
+                                 gpu_device=dev if dev.type == "cuda" else None)
+
+
+class PytorchOptimizerFactory(_OptimizerSwitch):
+    """SpeedTorch's torch-backed optimizer-state switcher.
+
+    Args:
+        given_optimizer, total_classes, embed_dimension, model, variable_name, dtype: as
+            :class:`OptimizerFactory`.
+        deviceType: ``'cuda'`` (tables in GPU memory) or ``'cpu'`` (host memory).
+        pinType: page-lock ``'cpu'`` tables.
+    """
+
+    def __init__(self, given_optimizer: Any, total_classes: int, embed_dimension: int,
+                 model: Any, variable_name: str, dtype: Any = "float32",
+                 deviceType: Any = "cuda", pinType: bool = False) -> None:
+        self._setup_opt(given_optimizer, total_classes, embed_dimension, model,
+                        variable_name, dtype)
+        self.dtype = self._dtype
+        self.deviceType = deviceType
+        self.pinType = pinType
+        dev = torch.device(deviceType)
+        self._where = _placement(on_gpu=dev.type == "cuda", pin=bool(pinType),
+                                 cupy_named=False, what=type(self).__name__,
+                                 gpu_device=dev if dev.type == "cuda" else None)
+
+
+class GPUPytorchOptimizerFactory(PytorchOptimizerFactory):
+    """SpeedTorch's older name: :class:`PytorchOptimizerFactory` with tables on the GPU."""
+
+    def __init__(self, given_optimizer: Any, total_classes: int, embed_dimension: int,
+                 model: Any, variable_name: str, dtype: Any = torch.float) -> None:
+        super().__init__(given_optimizer, total_classes, embed_dimension, model,
+                         variable_name, dtype, deviceType="cuda", pinType=False)
+
+
+class CPUPytorchOptimizerFactory(PytorchOptimizerFactory):
+    """SpeedTorch's older name: :class:`PytorchOptimizerFactory` with tables in pinned
+    host memory."""
+
+    def __init__(self, given_optimizer: Any, total_classes: int, embed_dimension: int,
+                 model: Any, variable_name: str, dtype: Any = torch.float) -> None:
+        super().__init__(given_optimizer, total_classes, embed_dimension, model,
+                         variable_name, dtype, deviceType="cpu", pinType=True)
+
+
+# ---------------------------------------------------------------------------------------
+# DataGadget
+# ---------------------------------------------------------------------------------------
+def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
+    """CuPy-style indexes (array, list, tensor, int, slice) → checked ids of their shape."""
+    if isinstance(indexes, slice):
+        return np.arange(*indexes.indices(num_rows), dtype=np.int64)
+    arr = as_index_array(indexes)
+    return check_ids(arr, num_rows)
+
+
+class DataGadget:
+    """SpeedTorch's table loaded from a ``.npy`` file, for moving rows to/from the GPU.
+
+    Args:
+        fileName: the ``.npy`` file (any float dtype; rows may have several dimensions).
+        CPUPinn: keep the table in pinned host memory (a HostTable for 2-d float32/float16
+            files) instead of GPU memory.
+
+    Rows come back on the current CUDA device, or on the CPU where CUDA is missing
+    (SpeedTorch required CUDA).
+    """
+
+    _cupy_named = True
+
+    def __init__(self, fileName: PathLike, CPUPinn: bool = False) -> None:
+        self.fileName = fileName
+        self.CPUPinn = CPUPinn
+        self._where = _placement(on_gpu=not CPUPinn, pin=bool(CPUPinn), cupy_named=True,
+                                 what="DataGadget")
+        self._store: Optional[Union[_TensorStore, _HostStore]] = None
+        self._shape: Tuple[int, ...] = ()
+
+    @staticmethod
+    def _device() -> torch.device:
+        return _cuda_device() if _cuda.cuda_available() else torch.device("cpu")
+
+    def _require(self) -> Union[_TensorStore, _HostStore]:
+        if self._store is None:
+            raise StpipeRuntimeError("DataGadget: call gadgetInit() (or loadCupy()) first")
+        return self._store
+
+    def gadgetInit(self) -> None:
+        """Load :attr:`fileName` (never unpickles).
+
+        Raises:
+            ValueError: not a ``.npy`` array, or one that needs unpickling.
+        """
+        self.loadCupy(self.fileName)
+
+    def loadCupy(self, loadFileName: PathLike) -> None:
+        """Replace the table with a ``.npy`` file (any shape)."""
+        store, shape = _load_store(loadFileName, self._where, self._device())
+        if self._store is not None:
+            self._store.close()
+        self._store, self._shape = store, shape
+
+    def getData(self, indexes: Any) -> torch.Tensor:
+        """Rows ``indexes`` (array/list/tensor of any shape, an int or a slice) as a tensor
+        of shape ``indexes.shape + row_shape`` on the current CUDA device (CPU without
+        CUDA). From a pinned host table each distinct row is read once (ascending
+        ids) and the result is expanded on the device.
+
+        Streams: runs on the current stream; no device-wide sync.
+
+        Raises:
+            IndexError: an id out of range. TypeError: non-integer ids.
+        """
+        store = self._require()
+        ids = _gadget_ids(indexes, store.num_rows)
+        lay = _Layout(ids.reshape(-1), store.num_rows, dedup=False)
+        rows = lay.gather(store, self._device())
+        return rows.view(tuple(ids.shape) + self._shape[1:])
+
+    def insertData(self, dataObject: Any, indexes: Any) -> None:
+        """Write ``dataObject`` (a tensor of shape ``indexes.shape + row_shape`` or
+        ``(n, *row_shape)``, any device) into rows ``indexes``. Where an id repeats, its
+        last occurrence is written (SpeedTorch kept one at random).
+
+        Streams: reads ``dataObject`` on the current stream of its device.
+
+        Raises:
+            IndexError: an id out of range. ValueError: a shape that does not fit.
+        """
+        store = self._require()
+        ids = _gadget_ids(indexes, store.num_rows)
+        if not isinstance(dataObject, torch.Tensor):
+            dataObject = (torch.from_dlpack(dataObject) if hasattr(dataObject, "__dlpack__")
+                          else torch.as_tensor(np.asarray(dataObject)))
+        n = int(ids.size)
+        if dataObject.numel() != n * store.dim:
+            raise StpipeValueError(
+                f"expected data of shape {tuple(ids.shape) + self._shape[1:]} for {n} ids, "
+                f"got {tuple(dataObject.shape)}"
+            )
+        rows = dataObject.reshape(n, store.dim)
+        if rows.dtype != store.dtype:
+            rows = rows.to(store.dtype)
+        _Layout(ids.reshape(-1), store.num_rows, dedup=False).scatter(store, rows)
+
+    def saveCupy(self, saveFileName: PathLike) -> None:
+        """Save the table as ``.npy`` (``.npy`` appended if missing), atomically."""
+        _save_store_npy(self._require(), _npy_name(saveFileName), self._shape)
+
+    def getNumpyVersion(self) -> np.ndarray:
+        """A numpy copy of the table, in the file's shape."""
+        return self._require().numpy().reshape(self._shape)
+
+    def close(self) -> None:
+        """Free the table."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None

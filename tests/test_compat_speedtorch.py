@@ -1,0 +1,749 @@
+"""Tests of stpipe.compat.speedtorch, the SpeedTorch 0.1.6 API.
+
+The skip-gram training pattern of speedtorch-api.md runs through the switchers and is
+checked against an oracle that never uses them: the same model on full-size
+``nn.Embedding`` tables fed the real ids, whose optimizer is applied to the touched rows
+only (a "carrier" parameter loaded with those rows and their state each step). That is
+the documented semantics: gradients of duplicate ids summed (nn.Embedding's backward),
+one update per unique row, untouched rows and their state unchanged. Plain SGD is also
+checked against dense SGD on the full table (exact), and Adam against
+``nn.Embedding(sparse=True)`` + ``SparseAdam``.
+
+Tolerances: float32; SGD agrees to 1e-6, the others to rtol 1e-4 / atol 1e-6 (different
+kernels — foreach vs single tensor, sparse vs dense — round differently).
+
+Every test that takes ``device`` also runs on CUDA (marked ``gpu``; skipped without it).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stpipe.compat.speedtorch as SpeedTorch
+from stpipe import StpipeError
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+ATOL, RTOL = 1e-6, 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# the model of the usage pattern, and the oracle
+# ---------------------------------------------------------------------------------------
+class SkipGram(torch.nn.Module):
+    """The skip-gram model SpeedTorch's examples train (negative sampling)."""
+
+    def __init__(self, n_u: int, n_v: int, dim: int, sparse: bool = False) -> None:
+        super().__init__()
+        self.u_embeddings = torch.nn.Embedding(n_u, dim, sparse=sparse)
+        self.v_embeddings = torch.nn.Embedding(n_v, dim, sparse=sparse)
+
+    def forward(self, pos_u, pos_v, neg_v):
+        emb_u = self.u_embeddings(pos_u)                      # (B, 1, d)
+        emb_v = self.v_embeddings(pos_v)                      # (B, P, d)
+        emb_n = self.v_embeddings(neg_v)                      # (B, N, d)
+        score = F.logsigmoid((emb_u * emb_v).sum(-1)).sum()
+        neg = F.logsigmoid(-torch.bmm(emb_n, emb_u.transpose(1, 2))).sum()
+        return -(score + neg) / pos_u.shape[0]
+
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.5),
+    "SGD-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.05),
+    "Adam-amsgrad": lambda p: torch.optim.Adam(p, lr=0.05, amsgrad=True),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=0.05),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.3),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.05, t0=2),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "RMSprop-centered-momentum": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=0.05),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=0.05),
+}
+
+
+class RowOracle:
+    """One full table trained with ``make_opt`` restricted to the rows a batch touches."""
+
+    def __init__(self, weight: torch.Tensor, make_opt) -> None:
+        self.weight = weight.clone()
+        self.carrier = torch.nn.Parameter(torch.zeros(1, weight.shape[1], device=weight.device))
+        self.opt = make_opt([self.carrier])
+        self.state: dict = {}  # key -> full (num_rows, dim) state table
+        for key, value in self.opt.state[self.carrier].items():  # eager init (Adagrad)
+            if isinstance(value, torch.Tensor) and value.shape == self.carrier.shape:
+                self.state[key] = torch.full_like(self.weight, float(value.flatten()[0]))
+
+    def step(self, ids: np.ndarray, grad_full: torch.Tensor) -> None:
+        rows = torch.from_numpy(np.unique(ids)).to(self.weight.device)
+        st = self.opt.state[self.carrier]
+        for key, table in self.state.items():
+            st[key] = table[rows].clone()
+        self.carrier.data = self.weight[rows].clone()
+        self.carrier.grad = grad_full[rows].clone()
+        self.opt.step()
+        self.weight[rows] = self.carrier.data
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor) and value.shape == self.carrier.shape:
+                if key not in self.state:  # first step: the optimizer created it
+                    init = value.new_zeros(self.weight.shape)
+                    if key == "sum":
+                        init.fill_(self.opt.defaults["initial_accumulator_value"])
+                    if key == "step_size":
+                        init.fill_(self.opt.defaults["lr"])
+                    self.state[key] = init
+                self.state[key][rows] = value
+
+    def reset_rows_state(self) -> None:
+        """Every state table back to initial values (what optInit gives)."""
+        for key, t in self.state.items():
+            fill = {"sum": self.opt.defaults.get("initial_accumulator_value", 0.0),
+                    "step_size": self.opt.defaults.get("lr", 0.0)}.get(key, 0.0)
+            t.fill_(fill)
+
+
+def make_batches(rng, steps, B, P, N, n_u, n_v, dups):
+    out = []
+    for _ in range(steps):
+        if dups:
+            u = rng.integers(0, 6, size=(B, 1))              # few ids: many repeats
+            v = rng.integers(0, 10, size=(B, P))
+            neg = rng.integers(0, 10, size=(B, N))
+            v[0, 0] = neg[0, 0]                                # at least one repeat
+            u[0, 0] = u[1, 0]
+        else:
+            u = rng.permutation(n_u)[:B].reshape(B, 1)
+            vv = rng.permutation(n_v)[: B * (P + N)]
+            v, neg = vv[: B * P].reshape(B, P), vv[B * P:].reshape(B, N)
+        out.append((u, v, neg))
+    return out
+
+
+def factories(kind, emb, n, dim, device):
+    """A model switcher of the given flavour for ``emb``."""
+    if kind == "ModelFactory":
+        return SpeedTorch.ModelFactory(emb, n, dim)
+    if kind == "ModelFactory-pinned":
+        return SpeedTorch.ModelFactory(emb, n, dim, CPUPinn=True)
+    if kind == "Pytorch-cuda":
+        return SpeedTorch.PytorchModelFactory(emb, n, dim, deviceType="cuda" if device == "cuda" else "cpu")
+    return SpeedTorch.PytorchModelFactory(emb, n, dim, deviceType="cpu", pinType=True)
+
+
+def opt_factory(kind, opt, n, dim, model, name):
+    if kind.startswith("ModelFactory"):
+        return SpeedTorch.OptimizerFactory(opt, n, dim, model, name, CPUPinn=kind.endswith("pinned"))
+    if kind == "Pytorch-cuda":
+        return SpeedTorch.PytorchOptimizerFactory(opt, n, dim, model, name,
+                                                  deviceType="cuda" if str(model.u_embeddings.weight.device) != "cpu" else "cpu")
+    return SpeedTorch.PytorchOptimizerFactory(opt, n, dim, model, name, deviceType="cpu", pinType=True)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallback():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpeedTorch.CupyFallbackWarning)
+        yield
+
+
+def run_pattern(device, opt_name, kind="ModelFactory", dups=False, steps=5, seed=0,
+                B=4, P=2, N=3, n_u=40, n_v=60, dim=8, with_opt_switch=True):
+    """The speedtorch-api.md loop; returns (losses, u table, v table, switchers...)."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = SkipGram(B, B * (P + N), dim).to(device)
+    u_switch = factories(kind, model.u_embeddings, n_u, dim, device)
+    v_switch = factories(kind, model.v_embeddings, n_v, dim, device)
+    u_switch.uniformDistributionInit(-0.5, 0.5)
+    v_switch.uniformDistributionInit(-0.5, 0.5)
+    init_u, init_v = u_switch.getNumpyVersion(), v_switch.getNumpyVersion()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    if with_opt_switch:
+        u_opt = opt_factory(kind, opt, n_u, dim, model, "u_embeddings")
+        v_opt = opt_factory(kind, opt, n_v, dim, model, "v_embeddings")
+        u_opt.optInit()
+        v_opt.optInit()
+    u_dummy = torch.as_tensor(u_switch.variableTransformer(B, 1), device=device)
+    pd, nd = v_switch.variableTransformer(B, P, N)
+    pos_dummy, neg_dummy = torch.as_tensor(pd, device=device), torch.as_tensor(nd, device=device)
+    batches = make_batches(rng, steps, B, P, N, n_u, n_v, dups)
+    losses = []
+    for u, v, neg in batches:
+        u_switch.beforeForwardPass(u)
+        v_switch.beforeForwardPass(v, neg)
+        if with_opt_switch:
+            u_opt.beforeForwardPass(u)
+            v_opt.beforeForwardPass(v, neg)
+        loss = model(u_dummy, pos_dummy, neg_dummy)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        u_switch.afterOptimizerStep(u)
+        v_switch.afterOptimizerStep(v, neg)
+        if with_opt_switch:
+            u_opt.afterOptimizerStep(u)
+            v_opt.afterOptimizerStep(v, neg)
+        losses.append(float(loss.detach()))
+    return dict(losses=losses, u=u_switch.getNumpyVersion(), v=v_switch.getNumpyVersion(),
+                init_u=init_u, init_v=init_v, batches=batches, opt=opt, model=model,
+                u_switch=u_switch, v_switch=v_switch)
+
+
+def oracle(device, opt_name, init_u, init_v, batches, dim=8):
+    """The same training on full tables with the optimizer restricted to touched rows."""
+    ref = SkipGram(init_u.shape[0], init_v.shape[0], dim).to(device)
+    with torch.no_grad():
+        ref.u_embeddings.weight.copy_(torch.from_numpy(init_u))
+        ref.v_embeddings.weight.copy_(torch.from_numpy(init_v))
+    ou = RowOracle(ref.u_embeddings.weight.detach(), OPTIMIZERS[opt_name])
+    ov = RowOracle(ref.v_embeddings.weight.detach(), OPTIMIZERS[opt_name])
+    losses = []
+    for u, v, neg in batches:
+        t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+        with torch.no_grad():
+            ref.u_embeddings.weight.copy_(ou.weight)
+            ref.v_embeddings.weight.copy_(ov.weight)
+        ref.zero_grad()
+        loss = ref(t(u), t(v), t(neg))
+        loss.backward()
+        ou.step(u.reshape(-1), ref.u_embeddings.weight.grad)
+        ov.step(np.concatenate([v.reshape(-1), neg.reshape(-1)]), ref.v_embeddings.weight.grad)
+        losses.append(float(loss.detach()))
+    return dict(losses=losses, u=ou.weight.cpu().numpy(), v=ov.weight.cpu().numpy(), ou=ou, ov=ov)
+
+
+def assert_same(got, want, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got["u"], want["u"], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got["v"], want["v"], rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------
+# the training pattern
+# ---------------------------------------------------------------------------------------
+KINDS = ["ModelFactory", "ModelFactory-pinned", "Pytorch-cuda", "Pytorch-cpu-pinned"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dups", [False, True], ids=["unique", "duplicates"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_pattern_matches_row_restricted_optimizer(device, opt_name, dups):
+    got = run_pattern(device, opt_name, dups=dups)
+    want = oracle(device, opt_name, got["init_u"], got["init_v"], got["batches"])
+    assert_same(got, want)
+    # rows never touched are exactly their initial values
+    touched_v = np.unique(np.concatenate([np.concatenate([v.ravel(), n.ravel()]) for _, v, n in got["batches"]]))
+    untouched = np.setdiff1d(np.arange(got["v"].shape[0]), touched_v)
+    np.testing.assert_array_equal(got["v"][untouched], got["init_v"][untouched])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dups", [False, True], ids=["unique", "duplicates"])
+def test_pattern_every_placement(device, kind, dups):
+    got = run_pattern(device, "Adam", kind=kind, dups=dups)
+    want = oracle(device, "Adam", got["init_u"], got["init_v"], got["batches"])
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dups", [False, True], ids=["unique", "duplicates"])
+def test_sgd_matches_dense_full_table_exactly(device, dups):
+    got = run_pattern(device, "SGD", dups=dups, with_opt_switch=False, steps=6)
+    ref = SkipGram(40, 60, 8).to(device)
+    with torch.no_grad():
+        ref.u_embeddings.weight.copy_(torch.from_numpy(got["init_u"]))
+        ref.v_embeddings.weight.copy_(torch.from_numpy(got["init_v"]))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    losses = []
+    for u, v, neg in got["batches"]:
+        t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+        loss = ref(t(u), t(v), t(neg))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert_same(got, dict(losses=losses, u=ref.u_embeddings.weight.detach().cpu().numpy(),
+                          v=ref.v_embeddings.weight.detach().cpu().numpy()), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dups", [False, True], ids=["unique", "duplicates"])
+def test_adam_matches_sparse_embedding_with_sparseadam(device, dups):
+    got = run_pattern(device, "Adam", dups=dups, steps=6)
+    ref = SkipGram(40, 60, 8, sparse=True).to(device)
+    with torch.no_grad():
+        ref.u_embeddings.weight.copy_(torch.from_numpy(got["init_u"]))
+        ref.v_embeddings.weight.copy_(torch.from_numpy(got["init_v"]))
+    opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.05)
+    losses = []
+    for u, v, neg in got["batches"]:
+        t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+        loss = ref(t(u), t(v), t(neg))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    # SparseAdam adds eps to sqrt(v) before the bias correction, Adam after it: with the
+    # default eps=1e-8 the two differ by ~1e-5 relative on rows with tiny second moments.
+    assert_same(got, dict(losses=losses, u=ref.u_embeddings.weight.detach().cpu().numpy(),
+                          v=ref.v_embeddings.weight.detach().cpu().numpy()), rtol=1e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparseadam_through_the_switchers(device):
+    """SparseAdam needs sparse gradients: the model's embeddings are built sparse=True."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    model = SkipGram(4, 20, 8, sparse=True).to(device)
+    us = SpeedTorch.ModelFactory(model.u_embeddings, 40, 8)
+    vs = SpeedTorch.ModelFactory(model.v_embeddings, 60, 8)
+    us.normalDistributionInit(0, 0.3)
+    vs.normalDistributionInit(0, 0.3)
+    init_u, init_v = us.getNumpyVersion(), vs.getNumpyVersion()
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.05)
+    uo = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "u_embeddings")
+    vo = SpeedTorch.OptimizerFactory(opt, 60, 8, model, "v_embeddings")
+    uo.optInit()
+    vo.optInit()
+    ud = torch.as_tensor(us.variableTransformer(4, 1), device=device)
+    pd, nd = (torch.as_tensor(a, device=device) for a in vs.variableTransformer(4, 2, 3))
+    batches = make_batches(rng, 5, 4, 2, 3, 40, 60, dups=True)
+    losses = []
+    for u, v, n in batches:
+        for s, a in ((us, (u,)), (vs, (v, n)), (uo, (u,)), (vo, (v, n))):
+            s.beforeForwardPass(*a)
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for s, a in ((us, (u,)), (vs, (v, n)), (uo, (u,)), (vo, (v, n))):
+            s.afterOptimizerStep(*a)
+        losses.append(float(loss.detach()))
+    want = oracle(device, "Adam", init_u, init_v, batches)  # SparseAdam ~ Adam on touched rows
+    # tolerance: see test_adam_matches_sparse_embedding_with_sparseadam (eps placement)
+    assert_same(dict(losses=losses, u=us.getNumpyVersion(), v=vs.getNumpyVersion()), want,
+                rtol=1e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rprop_switched_after_its_first_step_as_documented(device):
+    """SpeedTorch's documented order: one forward/backward/step, then the switcher."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(3)
+    model = SkipGram(4, 20, 8).to(device)
+    us = SpeedTorch.ModelFactory(model.u_embeddings, 40, 8)
+    vs = SpeedTorch.ModelFactory(model.v_embeddings, 60, 8)
+    us.uniformDistributionInit(-0.5, 0.5)
+    vs.uniformDistributionInit(-0.5, 0.5)
+    init_u, init_v = us.getNumpyVersion(), vs.getNumpyVersion()
+    opt = OPTIMIZERS["Rprop"](model.parameters())
+    ud = torch.as_tensor(us.variableTransformer(4, 1), device=device)
+    pd, nd = (torch.as_tensor(a, device=device) for a in vs.variableTransformer(4, 2, 3))
+    batches = make_batches(rng, 5, 4, 2, 3, 40, 60, dups=True)
+    switches = [(us, 0), (vs, 1)]
+    losses = []
+    for i, (u, v, n) in enumerate(batches):
+        if i == 1:
+            assert len(opt.state[model.u_embeddings.weight]) > 0   # state exists now
+            uo = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "u_embeddings")
+            vo = SpeedTorch.OptimizerFactory(opt, 60, 8, model, "v_embeddings")
+            uo.optInit()
+            vo.optInit()
+            switches += [(uo, 0), (vo, 1)]
+        args = [(u,), (v, n)]
+        for s, j in switches:
+            s.beforeForwardPass(*args[j])
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for s, j in switches:
+            s.afterOptimizerStep(*args[j])
+        losses.append(float(loss.detach()))
+    # oracle: as documented, the first step's per-row state is dropped by optInit()
+    ref = oracle(device, "Rprop", init_u, init_v, batches[:1])
+    ou, ov = ref["ou"], ref["ov"]
+    ou.reset_rows_state()
+    ov.reset_rows_state()
+    full = SkipGram(40, 60, 8).to(device)
+    for u, v, n in batches[1:]:
+        t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+        with torch.no_grad():
+            full.u_embeddings.weight.copy_(ou.weight)
+            full.v_embeddings.weight.copy_(ov.weight)
+        full.zero_grad()
+        loss = full(t(u), t(v), t(n))
+        loss.backward()
+        ou.step(u.reshape(-1), full.u_embeddings.weight.grad)
+        ov.step(np.concatenate([v.ravel(), n.ravel()]), full.v_embeddings.weight.grad)
+        ref["losses"].append(float(loss.detach()))
+    assert_same(dict(losses=losses, u=us.getNumpyVersion(), v=vs.getNumpyVersion()),
+                dict(losses=ref["losses"], u=ou.weight.cpu().numpy(), v=ov.weight.cpu().numpy()))
+
+
+@pytest.mark.parametrize("opt_name,expect", [
+    ("Adagrad", {"sum": 0.3}),
+    ("Rprop", {"prev": 0.0, "step_size": 0.01}),
+    ("Adam", {"exp_avg": 0.0, "exp_avg_sq": 0.0}),
+    ("Adam-amsgrad", {"exp_avg": 0.0, "exp_avg_sq": 0.0, "max_exp_avg_sq": 0.0}),
+    ("RMSprop-centered-momentum", {"square_avg": 0.0, "momentum_buffer": 0.0, "grad_avg": 0.0}),
+    ("ASGD", {"ax": 0.0}),
+    ("Adadelta", {"square_avg": 0.0, "acc_delta": 0.0}),
+    ("Adamax", {"exp_avg": 0.0, "exp_inf": 0.0}),
+    ("SGD", {}),
+])
+def test_opt_init_gives_initial_state_values(opt_name, expect):
+    model = SkipGram(4, 20, 8)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    of = SpeedTorch.OptimizerFactory(opt, 50, 8, model, "v_embeddings")
+    of.optInit()
+    assert of.optVarList == list(expect)
+    tables = of.getNumpyVersion()
+    for key, value in expect.items():
+        assert tables[key].shape == (50, 8)
+        np.testing.assert_array_equal(tables[key], np.float32(value))
+
+
+def test_scalar_state_stays_per_parameter():
+    got = run_pattern("cpu", "ASGD", steps=3)
+    st = got["opt"].state[got["model"].v_embeddings.weight]
+    assert float(st["step"]) == 3
+    assert st["eta"].dim() == 0 and st["mu"].dim() == 0
+    assert st["ax"].shape == got["model"].v_embeddings.weight.shape
+    got = run_pattern("cpu", "Adam", steps=4)
+    assert float(got["opt"].state[got["model"].u_embeddings.weight]["step"]) == 4
+
+
+# ---------------------------------------------------------------------------------------
+# layout: SpeedTorch's rows for duplicate-free batches, dedup + remap otherwise
+# ---------------------------------------------------------------------------------------
+def test_variable_transformer():
+    emb = torch.nn.Embedding(2, 3)
+    mf = SpeedTorch.ModelFactory(emb, 10, 3)
+    one = mf.variableTransformer(3, 2)
+    assert one.shape == (3, 2) and one.ravel().tolist() == list(range(6))
+    pos, neg = mf.variableTransformer(3, 2, 4)
+    assert pos.shape == (3, 2) and neg.shape == (3, 4)
+    assert np.concatenate([pos.ravel(), neg.ravel()]).tolist() == list(range(18))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_duplicate_free_batch_gives_speedtorch_rows(device, kind):
+    emb = torch.nn.Embedding(5, 4).to(device)
+    mf = factories(kind, emb, 30, 4, device)
+    mf.normalDistributionInit(0.0, 1.0)
+    table = mf.getNumpyVersion()
+    pos, neg = np.array([[17, 3]]), np.array([[29, 0, 11]])
+    mf.beforeForwardPass(pos, neg)
+    ids = [17, 3, 29, 0, 11]
+    assert emb.weight.device.type == torch.device(device).type
+    np.testing.assert_array_equal(emb.weight.detach().cpu().numpy(), table[ids])
+    with torch.no_grad():
+        emb.weight.mul_(2)
+    mf.afterOptimizerStep(pos, neg)
+    after = mf.getNumpyVersion()
+    np.testing.assert_array_equal(after[ids], 2 * table[ids])
+    rest = np.setdiff1d(np.arange(30), ids)
+    np.testing.assert_array_equal(after[rest], table[rest])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_duplicates_hold_unique_rows_and_remap_dummies(device):
+    emb = torch.nn.Embedding(7, 4).to(device)
+    mf = SpeedTorch.ModelFactory(emb, 30, 4)
+    mf.uniformDistributionInit(-1, 1)
+    table = mf.getNumpyVersion()
+    pos, neg = np.array([[9, 4]]), np.array([[9, 21, 4, 4, 2]])
+    mf.beforeForwardPass(pos, neg)
+    assert emb.weight.shape == (4, 4)                       # 2, 4, 9, 21
+    np.testing.assert_array_equal(emb.weight.detach().cpu().numpy(), table[[2, 4, 9, 21]])
+    pd, nd = mf.variableTransformer(1, 2, 5)
+    out_p = emb(torch.as_tensor(pd, device=device))
+    out_n = emb(torch.as_tensor(nd, device=device))
+    np.testing.assert_array_equal(out_p.detach().cpu().numpy()[0], table[[9, 4]])
+    np.testing.assert_array_equal(out_n.detach().cpu().numpy()[0], table[[9, 21, 4, 4, 2]])
+    # gradients of duplicates sum: d/dW of sum(emb(x)) counts occurrences
+    (out_p.sum() + out_n.sum()).backward()
+    counts = emb.weight.grad[:, 0].cpu().tolist()
+    assert counts == [1.0, 3.0, 2.0, 1.0]
+    with torch.no_grad():
+        emb.weight.add_(torch.arange(4, device=device, dtype=torch.float32)[:, None])
+    mf.afterOptimizerStep(pos, neg)
+    after = mf.getNumpyVersion()
+    np.testing.assert_array_equal(after[[2, 4, 9, 21]], table[[2, 4, 9, 21]] + np.arange(4, dtype=np.float32)[:, None])
+    # a duplicate-free batch afterwards: no remapping any more
+    mf.beforeForwardPass(np.array([[5, 6]]))
+    x = torch.as_tensor([[0, 1]], device=device)
+    np.testing.assert_array_equal(emb(x).detach().cpu().numpy()[0], after[[5, 6]])
+
+
+def test_dedup_false_keeps_speedtorch_layout_last_occurrence_wins():
+    emb = torch.nn.Embedding(4, 2)
+    mf = SpeedTorch.ModelFactory(emb, 10, 2, dedup=False)
+    mf.zerosInit()
+    ids = np.array([3, 5, 3, 7])
+    mf.beforeForwardPass(ids)
+    assert emb.weight.shape == (4, 2)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(8, dtype=torch.float32).view(4, 2))
+    mf.afterOptimizerStep(ids)
+    t = mf.getNumpyVersion()
+    np.testing.assert_array_equal(t[3], [4, 5])            # position 2, the last 3
+    np.testing.assert_array_equal(t[5], [2, 3])
+    np.testing.assert_array_equal(t[7], [6, 7])
+
+
+def test_after_step_with_other_ids_raises():
+    emb = torch.nn.Embedding(4, 2)
+    mf = SpeedTorch.ModelFactory(emb, 10, 2)
+    mf.zerosInit()
+    mf.beforeForwardPass(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="afterOptimizerStep"):
+        mf.afterOptimizerStep(np.array([1, 2, 3, 4]))
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", [-1, 30, 10**12])
+def test_bad_ids_raise_index_error_and_move_nothing(kind, bad):
+    emb = torch.nn.Embedding(3, 4)
+    mf = factories(kind, emb, 30, 4, "cpu")
+    mf.uniformDistributionInit(-1, 1)
+    before = mf.getNumpyVersion()
+    w0 = emb.weight.detach().clone()
+    with pytest.raises(IndexError, match=str(bad)) as info:
+        mf.beforeForwardPass(np.array([[1, 2]]), np.array([[4, bad]]))
+    assert isinstance(info.value, StpipeError)
+    assert "retrievedNegIndexes" in str(info.value)
+    assert torch.equal(emb.weight.detach(), w0)
+    with pytest.raises(IndexError):
+        mf.afterOptimizerStep(np.array([bad, 1, 2]))
+    np.testing.assert_array_equal(mf.getNumpyVersion(), before)
+
+
+def test_bad_ids_in_optimizer_switch_and_float_ids():
+    model = SkipGram(4, 8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    of = SpeedTorch.OptimizerFactory(opt, 20, 4, model, "v_embeddings")
+    of.optInit()
+    with pytest.raises(IndexError):
+        of.beforeForwardPass(np.array([0, 20]))
+    mf = SpeedTorch.ModelFactory(model.u_embeddings, 20, 4)
+    mf.zerosInit()
+    with pytest.raises(TypeError):
+        mf.beforeForwardPass(np.array([0.0, 1.0]))
+
+
+def test_constructor_errors():
+    model = SkipGram(4, 8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="u_embeddings"):
+        SpeedTorch.OptimizerFactory(opt, 20, 4, model, "nope")
+    with pytest.raises(ValueError, match="not supported"):
+        SpeedTorch.OptimizerFactory(torch.optim.LBFGS(model.parameters()), 20, 4, model, "u_embeddings")
+    other = torch.optim.Adam(model.v_embeddings.parameters())
+    with pytest.raises(ValueError, match="not among"):
+        SpeedTorch.OptimizerFactory(other, 20, 4, model, "u_embeddings")
+    with pytest.raises(TypeError):
+        SpeedTorch.ModelFactory(torch.zeros(3, 4), 20, 4)
+    with pytest.raises(TypeError):
+        SpeedTorch.ModelFactory(model.u_embeddings, 20, 4, datatype="int8")
+    with pytest.raises(ValueError):
+        SpeedTorch.ModelFactory(model.u_embeddings, 0, 4)
+    mf = SpeedTorch.ModelFactory(model.u_embeddings, 20, 4)
+    with pytest.raises(RuntimeError, match="zerosInit"):
+        mf.beforeForwardPass(np.array([1]))
+    of = SpeedTorch.OptimizerFactory(opt, 20, 4, model, "u_embeddings")
+    with pytest.raises(RuntimeError, match="optInit"):
+        of.beforeForwardPass(np.array([1]))
+
+
+# ---------------------------------------------------------------------------------------
+# dtypes, files, API surface
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("datatype,want", [("float32", torch.float32), ("float16", torch.float16),
+                                           (torch.float16, torch.float16), (torch.float, torch.float32)])
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_datatype_strings_and_torch_dtypes(datatype, want, cpupinn):
+    emb = torch.nn.Embedding(3, 4).to(want)
+    mf = SpeedTorch.ModelFactory(emb, 10, 4, datatype=datatype, CPUPinn=cpupinn)
+    mf.uniformDistributionInit(-1, 1)
+    mf.beforeForwardPass(np.array([1, 2]))
+    assert emb.weight.dtype == want
+    assert mf.getNumpyVersion().dtype == torch.empty(0, dtype=want).numpy().dtype
+    pf = SpeedTorch.PytorchModelFactory(emb, 10, 4, datatype=datatype, deviceType="cpu")
+    pf.zerosInit()
+    assert pf.getNumpyVersion().dtype == torch.empty(0, dtype=want).numpy().dtype
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_save_load_cupy_npy_roundtrip(tmp_path, cpupinn):
+    emb = torch.nn.Embedding(3, 4)
+    mf = SpeedTorch.ModelFactory(emb, 25, 4, CPUPinn=cpupinn)
+    mf.uniformDistributionInit(-1, 1)
+    table = mf.getNumpyVersion()
+    mf.saveCupy(str(tmp_path / "u"))                       # np.save naming: .npy appended
+    assert sorted(os.listdir(tmp_path)) == ["u.npy"]
+    np.testing.assert_array_equal(np.load(tmp_path / "u.npy", allow_pickle=False), table)
+    other = SpeedTorch.ModelFactory(emb, 25, 4, CPUPinn=not cpupinn)
+    other.loadCupy(str(tmp_path / "u.npy"))                # load without an init, as SpeedTorch
+    np.testing.assert_array_equal(other.getNumpyVersion(), table)
+    np.save(tmp_path / "wrong.npy", np.zeros((24, 4), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        other.loadCupy(str(tmp_path / "wrong.npy"))
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="pickl"):
+        other.loadCupy(str(tmp_path / "obj.npy"))
+    np.testing.assert_array_equal(other.getNumpyVersion(), table)   # unchanged
+
+
+def test_save_load_torch_roundtrip(tmp_path):
+    emb = torch.nn.Embedding(3, 4)
+    pf = SpeedTorch.PytorchModelFactory(emb, 12, 4, deviceType="cpu", pinType=True)
+    pf.customInit(torch.nn.init.xavier_uniform_)
+    table = pf.getNumpyVersion()
+    bound = float(np.sqrt(6.0 / (12 + 4)))                 # full-table fan-in/fan-out
+    assert np.abs(table).max() <= bound and np.abs(table).max() > bound / 2
+    pf.saveTorch(str(tmp_path / "t.pt"))
+    t = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert t.device.type == "cpu"
+    np.testing.assert_array_equal(t.numpy(), table)
+    other = SpeedTorch.PytorchModelFactory(emb, 12, 4, deviceType="cuda")
+    other.loadTorch(str(tmp_path / "t.pt"))
+    np.testing.assert_array_equal(other.getNumpyVersion(), table)
+    torch.save(torch.zeros(3, 3), tmp_path / "bad.pt")
+    with pytest.raises(ValueError):
+        other.loadTorch(str(tmp_path / "bad.pt"))
+
+
+def test_api_surface_and_defaults():
+    import importlib
+
+    mod = importlib.import_module("stpipe.compat.speedtorch")
+    from stpipe.compat import speedtorch as again
+    assert mod is again is SpeedTorch
+    sig = lambda c: {k: v.default for k, v in inspect.signature(c).parameters.items()}  # noqa: E731
+    assert sig(SpeedTorch.ModelFactory)["datatype"] == "float32"
+    assert sig(SpeedTorch.ModelFactory)["CPUPinn"] is False
+    assert list(sig(SpeedTorch.ModelFactory))[:5] == ["model_variable", "total_classes", "embed_dimension", "datatype", "CPUPinn"]
+    assert list(sig(SpeedTorch.OptimizerFactory))[:7] == ["given_optimizer", "total_classes", "embed_dimension", "model", "variable_name", "dtype", "CPUPinn"]
+    p = sig(SpeedTorch.PytorchModelFactory)
+    assert (p["datatype"], p["deviceType"], p["pinType"]) == ("float32", "cuda", False)
+    p = sig(SpeedTorch.PytorchOptimizerFactory)
+    assert (p["dtype"], p["deviceType"], p["pinType"]) == ("float32", "cuda", False)
+    assert list(sig(SpeedTorch.DataGadget)) == ["fileName", "CPUPinn"]
+    for name in ("GPUPytorchModelFactory", "GPUPytorchOptimizerFactory",
+                 "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory"):
+        assert name in SpeedTorch.__all__
+    for meth in ("zerosInit", "uniformDistributionInit", "normalDistributionInit",
+                 "variableTransformer", "beforeForwardPass", "afterOptimizerStep",
+                 "saveCupy", "loadCupy", "getNumpyVersion"):
+        assert callable(getattr(SpeedTorch.ModelFactory, meth))
+    for meth in ("customInit", "saveTorch", "loadTorch", "getNumpyVersion"):
+        assert callable(getattr(SpeedTorch.PytorchModelFactory, meth))
+
+
+def test_aliases_place_tables_like_speedtorch():
+    model = SkipGram(4, 8, 4)
+    c = SpeedTorch.CPUPytorchModelFactory(model.u_embeddings, 10, 4)
+    c.zerosInit()
+    assert c._store.__class__.__name__ == "_HostStore"
+    g = SpeedTorch.GPUPytorchModelFactory(model.v_embeddings, 10, 4)
+    g.zerosInit()
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert g._store.device.type == want
+    opt = torch.optim.Adam(model.parameters())
+    co = SpeedTorch.CPUPytorchOptimizerFactory(opt, 10, 4, model, "u_embeddings")
+    go = SpeedTorch.GPUPytorchOptimizerFactory(opt, 10, 4, model, "v_embeddings")
+    co.optInit()
+    go.optInit()
+    assert co.optVarList == go.optVarList == ["exp_avg", "exp_avg_sq"]
+
+
+@pytest.mark.skipif(SpeedTorch._cupy_installed(), reason="CuPy is installed here")
+def test_missing_cupy_warns_once():
+    SpeedTorch._warned.discard("cupy")
+    emb = torch.nn.Embedding(3, 4)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        SpeedTorch.ModelFactory(emb, 10, 4)
+        SpeedTorch.ModelFactory(emb, 10, 4, CPUPinn=True)
+        SpeedTorch.DataGadget("x.npy")
+        SpeedTorch.PytorchModelFactory(emb, 10, 4, deviceType="cpu")
+    cupy_w = [w for w in got if issubclass(w.category, SpeedTorch.CupyFallbackWarning)]
+    assert len(cupy_w) == 1
+    assert "torch backend" in str(cupy_w[0].message)
+    assert cupy_w[0].filename == __file__                  # points at the user's line
+
+
+# ---------------------------------------------------------------------------------------
+# DataGadget
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_datagadget_roundtrip(tmp_path, cpupinn):
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((50, 6)).astype(np.float32)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    g.gadgetInit()
+    want_dev = "cuda" if torch.cuda.is_available() else "cpu"
+    idx = np.array([[4, 49], [0, 4]])
+    got = g.getData(idx)
+    assert got.device.type == want_dev and got.shape == (2, 2, 6)
+    np.testing.assert_array_equal(got.cpu().numpy(), data[idx])
+    np.testing.assert_array_equal(g.getData([7, 1]).cpu().numpy(), data[[7, 1]])
+    np.testing.assert_array_equal(g.getData(slice(10, 13)).cpu().numpy(), data[10:13])
+    np.testing.assert_array_equal(g.getData(torch.tensor([3])).cpu().numpy(), data[[3]])
+    # insert: rows of a tensor; a repeated id keeps its last occurrence
+    new = torch.arange(24, dtype=torch.float32).view(4, 6).to(want_dev)
+    g.insertData(new, np.array([9, 2, 9, 30]))
+    data[[2, 9, 30]] = new.cpu().numpy()[[1, 2, 3]]
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+    g.insertData(new[:2].reshape(1, 2, 6), np.array([[11, 12]]))
+    data[[11, 12]] = new[:2].cpu().numpy()
+    g.saveCupy(str(tmp_path / "out"))
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), data)
+    h = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=not cpupinn)
+    h.gadgetInit()
+    h.loadCupy(str(tmp_path / "out.npy"))
+    np.testing.assert_array_equal(h.getNumpyVersion(), data)
+    with pytest.raises(IndexError):
+        g.getData(np.array([0, 50]))
+    with pytest.raises(IndexError):
+        g.insertData(new[:1], np.array([-1]))
+    with pytest.raises(ValueError):
+        g.insertData(new, np.array([1, 2]))
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+
+
+@pytest.mark.parametrize("shape,dtype", [((20,), np.float32), ((10, 3, 2), np.float64),
+                                         ((10, 4), np.float16), ((10, 2), np.int32)])
+def test_datagadget_other_shapes_and_dtypes(tmp_path, shape, dtype):
+    data = (np.arange(int(np.prod(shape))) % 7).reshape(shape).astype(dtype)
+    np.save(tmp_path / "d.npy", data)
+    for pin in (False, True):
+        g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=pin)
+        g.gadgetInit()
+        np.testing.assert_array_equal(g.getData([3, 1, 3]).cpu().numpy(), data[[3, 1, 3]])
+        np.testing.assert_array_equal(g.getNumpyVersion(), data)
+        g.saveCupy(str(tmp_path / f"o{pin}.npy"))
+        back = np.load(tmp_path / f"o{pin}.npy")
+        assert back.shape == data.shape
+        np.testing.assert_array_equal(back, data)
+
+
+def test_datagadget_before_init_raises():
+    with pytest.raises(RuntimeError, match="gadgetInit"):
+        SpeedTorch.DataGadget("nowhere.npy").getData([0])
