@@ -1,0 +1,144 @@
+"""HostEmbedding: construction, lookup outside a step, forward/backward inside a step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stpipe import StpipeIndexError, StpipeTypeError, StpipeValueError
+from stpipe.embedding import HostEmbedding
+from stpipe.host import HostTable
+from stpipe.pipeline import Pipeline
+
+NUM_ROWS, DIM = 200, 16
+
+
+def make(dtype=torch.float32, **kw):
+    return HostEmbedding(NUM_ROWS, DIM, dtype, device="cpu", generator=torch.Generator().manual_seed(3), **kw)
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                                 ids=["f32", "f16", "bf16"])
+INDEX_DTYPES = pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+
+
+@DTYPES
+def test_construction(dtype):
+    emb = make(dtype)
+    assert emb.num_rows == emb.num_embeddings == NUM_ROWS and emb.dim == emb.embedding_dim == DIM
+    assert emb.dtype == dtype and emb.device == torch.device("cpu")
+    assert [p.shape for p in emb.parameters()] == [(0, DIM)]
+    assert emb.weight.dtype == dtype
+    assert emb.state_tables == {}
+    assert "200, 16" in repr(emb)
+
+
+def test_initialisers():
+    assert not make(init="zeros").table.tensor().any()
+    u = make(init="uniform").table.tensor()
+    assert u.abs().max() <= 1 / DIM ** 0.5
+    n = make().table.tensor()
+    assert 0.8 < float(n.std()) < 1.2
+    emb = make(init=lambda t: t.init_(torch.nn.init.constant_, 0.5))
+    assert torch.all(emb.table.tensor() == 0.5)
+    # seeded: reproducible
+    assert torch.equal(make().table.tensor(), make().table.tensor())
+
+
+def test_wrap_existing_table():
+    t = HostTable(NUM_ROWS, DIM, device="cpu").zeros_()
+    emb = HostEmbedding(table=t)
+    assert emb.table is t and emb.num_rows == NUM_ROWS
+    with pytest.raises(StpipeValueError, match="does not match"):
+        HostEmbedding(NUM_ROWS + 1, table=t)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, msg",
+    [
+        (dict(num_rows=0, dim=4), StpipeValueError, "num_rows must be a positive int"),
+        (dict(num_rows=10, dim=-1), StpipeValueError, "dim must be a positive int"),
+        (dict(num_rows=10, dim=4, dtype=torch.float64), StpipeTypeError, "dtype must be"),
+        (dict(num_rows=10, dim=4, init="xavier"), StpipeValueError, "init must be one of"),
+        (dict(num_rows=10, dim=4, capacity=-1), StpipeValueError, "capacity"),
+        (dict(num_rows=10), StpipeValueError, "needs num_rows and dim"),
+    ],
+    ids=["rows0", "dim_neg", "float64", "bad_init", "bad_capacity", "no_dim"],
+)
+def test_construction_errors(kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        HostEmbedding(device="cpu", **kwargs)
+
+
+@DTYPES
+@INDEX_DTYPES
+def test_lookup_outside_step(dtype, index_dtype):
+    emb = make(dtype)
+    ids = torch.tensor([[5, 7, 5], [199, 0, 7]], dtype=index_dtype)
+    out = emb(ids)
+    assert out.shape == (2, 3, DIM) and out.dtype == dtype and not out.requires_grad
+    assert torch.equal(out, emb.table.tensor()[ids.long()])
+    assert torch.equal(emb.lookup(np.array([3])), emb.table.tensor()[[3]])
+
+
+def test_lookup_bad_ids():
+    emb = make()
+    with pytest.raises(StpipeIndexError, match=r"row id 200 at position 1"):
+        emb(torch.tensor([1, 200]))
+    with pytest.raises(StpipeIndexError, match=r"row id -1"):
+        emb([-1])
+    with pytest.raises(StpipeTypeError, match="integer"):
+        emb(torch.tensor([1.0]))
+
+
+@INDEX_DTYPES
+def test_gradient_sums_duplicates_like_nn_embedding(index_dtype):
+    """Inside a step, the working rows' gradient equals nn.Embedding's, row for row."""
+    emb = make()
+    ref = torch.nn.Embedding(NUM_ROWS, DIM)
+    with torch.no_grad():
+        ref.weight.copy_(emb.table.tensor())
+    ids = torch.tensor([[4, 9, 4], [4, 150, 9]], dtype=index_dtype)
+    w = torch.randn(2, 3, DIM)
+    with Pipeline(emb, depth=0) as pipe:
+        for step in pipe.run([ids]):
+            with step:
+                out = emb(step.ids)
+                assert torch.equal(out, ref(ids.long()))
+                (out * w).sum().backward()
+                grad = emb.weight.grad
+                assert grad.shape == (3, DIM)  # rows 4, 9, 150
+    (ref(ids.long()) * w).sum().backward()
+    assert torch.equal(grad, ref.weight.grad[[4, 9, 150]])
+
+
+def test_working_parameter_shapes_follow_steps():
+    emb = make()
+    seen = []
+    with Pipeline(emb, depth=1) as pipe:
+        for step in pipe.run([torch.tensor([1, 2, 3]), torch.tensor([5]), torch.tensor([], dtype=torch.long)]):
+            with step:
+                seen.append(tuple(emb.weight.shape))
+                assert emb(step.ids).shape == (len(step.ids), DIM)
+    assert seen == [(3, DIM), (1, DIM), (0, DIM)]
+    # outside a step the forward reads the host table again
+    assert torch.equal(emb(torch.tensor([1])), emb.table.tensor()[[1]])
+
+
+def test_state_dict_excludes_the_table():
+    emb = make()
+    sd = emb.state_dict()
+    assert "weight" not in sd
+    emb.load_state_dict(sd)  # strict: round-trips
+    model = torch.nn.Sequential(emb, torch.nn.Linear(DIM, 2))
+    assert set(model.state_dict()) == {"1.weight", "1.bias"}
+
+
+def test_capacity_hint_and_growth():
+    emb = make(capacity=64)
+    with Pipeline(emb, depth=1) as pipe:
+        for step in pipe.run([torch.arange(10), torch.arange(100), torch.arange(5)]):
+            with step:
+                assert emb.weight.shape[0] == len(step.ids)
+                base = emb.weight.untyped_storage().nbytes() // (DIM * 4)
+                assert base >= max(64, len(step.ids))
