@@ -1,0 +1,948 @@
+"""The training pipeline: prefetch thread, staging buffers, hazard fix-up, the step context.
+
+::
+
+    emb = stpipe.HostEmbedding(num_rows=10_000_000, dim=128)
+    opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+    with stpipe.Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"]) as pipe:
+        for step in pipe.run(loader):          # batch N+1 is planned and gathered meanwhile
+            with step:                         # waits for this step's rows only
+                loss = model(emb(step.ids), step.batch)
+                loss.backward(); opt.step(); opt.zero_grad()
+            # leaving the block wrote the rows and optimizer state back (asynchronously)
+
+Several tables: ``Pipeline({"in": emb_in, "out": emb_out}, optimizer=opt,
+ids=lambda b: {"in": b["centre"], "out": b["context"]})``; ``step.ids`` is then a dict.
+A table's ids may also be a tuple/list of id tensors (several fields, one table): they are
+planned together and ``emb(part)`` works for each part.
+
+How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers per table)
+-------------------------------------------------------------------------------------
+
+1. The prefetch thread (named ``stpipe-prefetch-<n>``, daemon) reads batch ``j`` from the
+   iterable, calls ``ids``, plans every table (the Cython planner releases the GIL), and
+   takes a free slot (a bounded queue of ``S`` slot numbers: at most ``d`` batches are
+   gathered ahead of the one being trained).
+2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
+   computes the planner's ``overlap`` of ``j`` with each of them, off the lock.
+3. Under the pipeline's *issue lock* it gathers ``j``'s unique rows (and the per-row
+   optimizer state known so far) from the host tables into slot buffers on the copy
+   stream, records ``j.ready`` there, and adds ``j`` to the in-flight set.
+4. The training thread, entering step ``j``, makes its current (compute) stream wait for
+   ``j.ready`` (no host synchronisation), points ``emb.weight.data`` and
+   ``optimizer.state[weight][key]`` at views ``buf[:k]`` of the slot, and runs the user's
+   code.
+5. Leaving step ``i`` normally, the training thread records ``done`` on the compute stream,
+   and under the issue lock, on the copy stream after ``done``: (a) for every batch ``j > i``
+   in flight (already gathered), copies the rows (and state) the two batches share from
+   ``i``'s slot into ``j``'s slot, device to device, and re-records ``j.ready``; (b) scatters
+   ``i``'s rows and state to the host tables; then frees ``i``'s slot.
+
+Why this gives the sequential result (semantics 1 and 2). Claim: when step ``j`` starts, every
+row ``r`` in ``j``'s slot holds the value written by the last *successful* step ``i* < j``
+that touched ``r`` (or the host value if none did). Because gathers (3) and write-backs (5)
+are issued under one lock and run in issue order on one copy stream (the host table also
+orders its own CPU reads after earlier scatters), either (a) ``j`` was gathered after ``i*``
+left: the gather reads the host after ``i*``'s scatter, and no later step before ``j``
+touches ``r``, so nothing overwrites it; or (b) ``j`` was gathered before ``i*`` left: then
+``j`` was in flight when ``i*`` left, so 5(a) copied ``r`` from ``i*``'s slot, which by
+induction held ``r`` as of the step before ``i*`` plus ``i*``'s own update; copies from
+earlier steps came before it in stream order and no later step before ``j`` touches ``r``.
+This holds for any depth: a batch ``j`` in flight receives the fix-up of every batch that
+leaves while ``j`` waits. A slot is reused only after the step that used it left, and its
+next gather is stream-ordered after that step's compute (``done``), fix-ups and scatter.
+The tests check it bit for bit: depth 0 vs 1 vs 2, every optimizer, adversarial ids.
+
+Failure (semantics 5). Leaving a step by exception issues no fix-up and no scatter; the
+slot is freed (the copy stream still waits for the failed step's compute before reusing
+it). By the claim above, batches in flight keep the values of the last successful step, and
+the host tables are unchanged. The optimizer's scalar state (``step``, ASGD's ``eta``/``mu``,
+NAdam's ``mu_product``) is restored to its value at step entry and ``weight.grad`` is
+cleared; other parameters of the user's model (dense layers) are the user's business.
+Errors in the prefetch thread (the iterable, ``ids``, planning, a gather) are re-raised in
+the training thread, in batch order, with a note naming the thread and what it was doing
+(same exception object and type; Python 3.10 gets a :class:`~stpipe.StpipeRuntimeError`
+wrapping it). The run then ends; the pipeline can start another run or close.
+
+Depth 0 is the strict sequence (plan, gather, step, scatter, next) in the training thread,
+the reference of the tests.
+
+Streams. On CUDA: one copy stream per pipeline for gathers, fix-ups and scatters; the
+training thread's current stream at step entry is the compute stream. Staging buffers are
+persistent (grown on demand, capacity from the largest batch); a replaced buffer is
+``record_stream``-ed on both streams before it is dropped. Index tensors made on the copy
+stream and used by the compute stream are ``record_stream``-ed on it. On CPU-only machines
+streams and events are ``None``, every copy is synchronous and the semantics are the same;
+the prefetch thread still plans and gathers ahead into CPU staging.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
+from .embedding import HostEmbedding, _Binding, _Part
+from .planner import Plan, as_index_array, check_ids, overlap
+from .planner import plan as _plan
+
+__all__ = ["Pipeline", "Step"]
+
+_thread_ids = itertools.count()
+_POLL = 0.05
+
+
+# ---------------------------------------------------------------------------- helpers
+def _is_parts(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        torch.is_tensor(p) or isinstance(p, np.ndarray) for p in x
+    )
+
+
+def _to_device_index(arr: np.ndarray, device: torch.device, stream) -> torch.Tensor:
+    """An int64 device tensor holding ``arr``; on CUDA copied on ``stream`` (async)."""
+    t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+    if device.type != "cuda":
+        return t
+    with torch.cuda.stream(stream):
+        return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class _TableFlight:
+    """One table's part of a batch in flight."""
+
+    plan: Plan
+    parts: List[Any]  # the ids objects (one, or several planned together)
+    single: bool
+    part_inverse: List[torch.Tensor] = field(default_factory=list)  # device, each part's shape
+    keys: Tuple[str, ...] = ()  # state keys gathered into the slot
+
+    @property
+    def k(self) -> int:
+        return self.plan.num_unique
+
+
+class _Flight:
+    """A batch between its gather and the end of its step."""
+
+    def __init__(self, index: int, batch: Any, ids: Any):
+        self.index = index
+        self.batch = batch
+        self.ids = ids
+        self.tables: Dict[Any, _TableFlight] = {}
+        self.slot: int = -1
+        self.ready = None  # torch.cuda.Event on the copy stream
+        self.overlaps: Dict[int, Dict[Any, Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.plan_s = 0.0
+
+
+@dataclass
+class _Failure:
+    exc: BaseException
+    where: str
+    thread: str
+
+
+_END = object()
+
+
+class _Run:
+    """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
+
+    def __init__(self, num_slots: int, depth: int):
+        self.stop = threading.Event()
+        self.free_slots: "queue.Queue[int]" = queue.Queue()
+        for s in range(num_slots):
+            self.free_slots.put(s)
+        self.out: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, depth) + 1)
+        self.thread: Optional[threading.Thread] = None
+        self.where = "starting"
+        self.closed = False
+
+    def take_slot(self) -> Optional[int]:
+        while not self.stop.is_set():
+            try:
+                return self.free_slots.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+        return None
+
+    def put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.out.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+class _Slots:
+    """Staging buffers of one table: rows and per-row state, one set per slot."""
+
+    def __init__(self, emb: HostEmbedding, num_slots: int):
+        self.emb = emb
+        self.rows: List[Optional[torch.Tensor]] = [None] * num_slots
+        self.state: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_slots)]
+        self.cap = [0] * num_slots
+
+    def ensure(self, slot: int, k: int, keys: Sequence[str], streams: Sequence[Any]) -> None:
+        """Make slot ``slot`` hold at least ``k`` rows and a buffer for each state key.
+
+        Replaced buffers are ``record_stream``-ed on ``streams`` (CUDA) before release so
+        the caching allocator does not hand their memory out while queued work uses it.
+        """
+        emb = self.emb
+        cap = self.cap[slot]
+        if k > cap or self.rows[slot] is None:
+            new_cap = max(k, emb.capacity, (cap * 3) // 2, 1)
+            self._retire(self.rows[slot], streams)
+            for buf in self.state[slot].values():
+                self._retire(buf, streams)
+            self.rows[slot] = torch.empty(new_cap, emb.embedding_dim, dtype=emb.dtype, device=emb.device)
+            self.state[slot] = {}
+            self.cap[slot] = cap = new_cap
+        rs = emb.row_state
+        for key in keys:
+            if key not in self.state[slot]:
+                dtype = rs.tables[key].dtype
+                self.state[slot][key] = torch.empty(cap, emb.embedding_dim, dtype=dtype, device=emb.device)
+
+    @staticmethod
+    def _retire(buf: Optional[torch.Tensor], streams: Sequence[Any]) -> None:
+        if buf is None or buf.device.type != "cuda":
+            return
+        for s in streams:
+            if s is not None:
+                buf.record_stream(s)
+
+
+# ------------------------------------------------------------------------------ Step
+class Step:
+    """One training step: a context manager around the user's forward/backward/optimizer.
+
+    Attributes:
+        index: the batch's position in the iterable (0-based).
+        batch: the batch as the iterable gave it.
+        ids: the ids as ``ids=`` returned them: for one table the ids object, for several
+            a dict ``name -> ids``. Pass them (or their parts) to the embedding.
+        plans: ``{name: Plan}`` (``None`` is the name of a single table).
+
+    ``with step:`` waits (stream-wise) only for this step's rows; leaving normally writes
+    the rows and optimizer state back; leaving by exception writes nothing back and
+    restores the optimizer's scalar state. A step that is never entered is skipped (nothing
+    written back). A step cannot be entered twice.
+    """
+
+    def __init__(self, pipeline: "Pipeline", flight: _Flight):
+        self._pipe = pipeline
+        self._flight = flight
+        self._entered = False
+        self._exited = False
+        self._snaps: Dict[Any, Any] = {}
+        self._t_enter = 0.0
+        self._compute_stream = None
+        self.record: Dict[str, float] = {}
+
+    @property
+    def index(self) -> int:
+        return self._flight.index
+
+    @property
+    def batch(self) -> Any:
+        return self._flight.batch
+
+    @property
+    def ids(self) -> Any:
+        return self._flight.ids
+
+    @property
+    def plans(self) -> Dict[Any, Plan]:
+        return {name: tf.plan for name, tf in self._flight.tables.items()}
+
+    def __repr__(self) -> str:
+        state = "done" if self._exited else ("active" if self._entered else "ready")
+        return f"Step(index={self.index}, {state}, unique={ {n: tf.k for n, tf in self._flight.tables.items()} })"
+
+    def __enter__(self) -> "Step":
+        if self._entered:
+            raise StpipeRuntimeError(f"step {self.index} was already entered; a step runs once")
+        self._pipe._enter(self)
+        self._entered = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._exited = True
+        self._pipe._exit(self, failed=exc_type is not None)
+        return False
+
+
+# -------------------------------------------------------------------------- Pipeline
+TablesArg = Union[HostEmbedding, Mapping[Any, HostEmbedding], Sequence[HostEmbedding]]
+
+
+class Pipeline:
+    """Train :class:`~stpipe.HostEmbedding` tables with prefetch and write-back.
+
+    Args:
+        tables: one ``HostEmbedding``, a dict ``name -> HostEmbedding``, or a list (names
+            ``0..n-1``).
+        optimizer: the ``torch.optim`` optimizer (or a list of them) that trains the
+            tables' weights; their per-row state is offloaded with the rows. ``None``: no
+            optimizer state is moved.
+        ids: where the row ids of a batch are. One table: ``None`` (the batch is the ids),
+            a key (``batch[key]``) or a callable ``batch -> ids``. Several tables: a
+            callable ``batch -> {name: ids}``, or a dict ``name -> key or callable``
+            (``None``: ``batch[name]``). A table's ids may be a tuple/list of id tensors.
+        depth: batches gathered ahead of the one being trained (default 1; 0 runs the
+            strict sequence in the training thread).
+        profile: record per-step timings in :attr:`profile` (plan / gather wait / compute
+            / write-back, ms); on CUDA this synchronises at each phase, so steps overlap
+            less while profiling.
+        join_timeout: seconds :meth:`close` waits for the prefetch thread.
+
+    Raises:
+        StpipeTypeError: a table is not a ``HostEmbedding`` or the arguments have the
+            wrong type.
+        StpipeValueError: negative ``depth``, tables on different devices, a table whose
+            weight is in none of the given optimizers, one table given twice.
+    """
+
+    def __init__(
+        self,
+        tables: TablesArg,
+        optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None] = None,
+        *,
+        ids: Any = None,
+        depth: int = 1,
+        profile: bool = False,
+        join_timeout: float = 5.0,
+    ) -> None:
+        if isinstance(tables, HostEmbedding):
+            self._single = True
+            self.tables: Dict[Any, HostEmbedding] = {None: tables}
+        elif isinstance(tables, Mapping):
+            self._single = False
+            self.tables = dict(tables)
+        elif isinstance(tables, (list, tuple)):
+            self._single = False
+            self.tables = dict(enumerate(tables))
+        else:
+            raise StpipeTypeError(
+                f"tables must be a HostEmbedding, a dict or a list of them, got {type(tables).__name__}"
+            )
+        if not self.tables:
+            raise StpipeValueError("Pipeline needs at least one table")
+        seen = set()
+        for name, emb in self.tables.items():
+            if not isinstance(emb, HostEmbedding):
+                raise StpipeTypeError(f"table {name!r} must be a HostEmbedding, got {type(emb).__name__}")
+            if id(emb) in seen:
+                raise StpipeValueError(f"table {name!r} is given twice")
+            seen.add(id(emb))
+        devices = {emb.device for emb in self.tables.values()}
+        if len(devices) != 1:
+            raise StpipeValueError(f"all tables must share one device, got {sorted(map(str, devices))}")
+        self.device: torch.device = devices.pop()
+        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
+            raise StpipeValueError(f"depth must be an int >= 0, got {depth!r}")
+        self.depth = int(depth)
+        self._num_slots = self.depth + 1
+        if optimizer is None:
+            self._optimizers: List[torch.optim.Optimizer] = []
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self._optimizers = [optimizer]
+        elif isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+            self._optimizers = list(optimizer)
+        else:
+            raise StpipeTypeError(
+                f"optimizer must be a torch.optim.Optimizer, a list of them or None, got {type(optimizer).__name__}"
+            )
+        self._ids_fn = self._make_ids_fn(ids)
+        self._profile = bool(profile)
+        self.profile: List[Dict[str, float]] = []
+        self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0}
+        self.join_timeout = float(join_timeout)
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._lock = threading.Lock()
+        self._inflight: Dict[int, _Flight] = {}
+        self._slots = {name: _Slots(emb, self._num_slots) for name, emb in self.tables.items()}
+        self._run: Optional[_Run] = None
+        self._closed = False
+        self._compute_stream = None
+        self._bind_optimizers()
+
+    # ------------------------------------------------------------------ set-up
+    def _bind_optimizers(self) -> None:
+        if not self._optimizers:
+            return
+        for name, emb in self.tables.items():
+            owner = None
+            for opt in self._optimizers:
+                if any(p is emb.weight for g in opt.param_groups for p in g["params"]):
+                    owner = opt
+                    break
+            if owner is None:
+                raise StpipeValueError(
+                    f"the weight of table {name!r} is in none of the given optimizers; pass "
+                    "every optimizer that trains a table (its per-row state must travel with the rows)"
+                )
+            emb.bind_optimizer(owner)
+
+    def _make_ids_fn(self, ids: Any) -> Callable[[Any], Dict[Any, Any]]:
+        names = list(self.tables)
+        if self._single:
+            if ids is None:
+                return lambda b: {None: b}
+            if callable(ids):
+                return lambda b: {None: ids(b)}
+            return lambda b: {None: b[ids]}
+        if ids is None:
+            return lambda b: {n: b[n] for n in names}
+        if callable(ids):
+            def fn(b):
+                out = ids(b)
+                if not isinstance(out, Mapping):
+                    raise StpipeTypeError(
+                        f"ids= must return a dict name -> ids for several tables, got {type(out).__name__}"
+                    )
+                missing = [n for n in names if n not in out]
+                if missing:
+                    raise StpipeValueError(f"ids= returned no ids for table(s) {missing}; got keys {list(out)}")
+                return {n: out[n] for n in names}
+            return fn
+        if isinstance(ids, Mapping):
+            unknown = [k for k in ids if k not in self.tables]
+            if unknown:
+                raise StpipeValueError(f"ids= names unknown table(s) {unknown}; tables are {names}")
+            getters = {}
+            for n in names:
+                g = ids.get(n, n)
+                getters[n] = g if callable(g) else (lambda b, _k=g: b[_k])
+            return lambda b: {n: getters[n](b) for n in names}
+        raise StpipeTypeError(f"ids= must be None, a key, a callable or a dict, got {type(ids).__name__}")
+
+    # -------------------------------------------------------------- public API
+    def run(self, iterable: Iterable[Any]) -> Iterator[Step]:
+        """Yield one :class:`Step` per batch of ``iterable``; batches are read ahead.
+
+        Args:
+            iterable: any iterable of batches (a ``DataLoader``, its iterator, a list, a
+                generator).
+
+        Returns:
+            An iterator of steps; use each as ``with step: ...``.
+
+        Raises:
+            StpipeRuntimeError: the pipeline is closed, or another run is active.
+            TypeError: ``iterable`` is not iterable.
+        """
+        self._check_open()
+        it = iter(iterable)
+        return self._steps(it)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (joined with ``join_timeout``), wait for write-backs.
+
+        Idempotent; never hangs on the iterable (a thread blocked in it is left behind as a
+        daemon, with a warning). Batches read ahead and not trained are dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._run is not None:
+            self._shutdown(self._run)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait until every write-back issued so far reached the host tables."""
+        if self._cuda:
+            self._copy_stream.synchronize()
+        for emb in self.tables.values():
+            for t in [emb.table, *emb.state_tables.values()]:
+                sync = getattr(t, "synchronize", None)
+                if callable(sync):
+                    sync()
+
+    def __enter__(self) -> "Pipeline":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            if self._run is not None:
+                self._run.stop.set()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        names = list(self.tables) if not self._single else ["<single>"]
+        return f"Pipeline(tables={names}, depth={self.depth}, device={self.device}, closed={self._closed})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StpipeRuntimeError("the pipeline is closed; make a new Pipeline")
+
+    # ------------------------------------------------------------------ the run
+    def _steps(self, it: Iterator[Any]) -> Iterator[Step]:
+        self._check_open()
+        if self._run is not None:
+            raise StpipeRuntimeError(
+                "another run of this pipeline is active; finish it (or close the pipeline) first"
+            )
+        run = _Run(self._num_slots, self.depth)
+        self._run = run
+        self._inflight.clear()
+        try:
+            if self.depth == 0:
+                for idx, batch in enumerate(it):
+                    flight = self._prepare(idx, batch, run)
+                    flight.slot = run.free_slots.get_nowait()
+                    with self._lock:
+                        self._gather(flight)
+                        self._inflight[idx] = flight
+                    yield from self._deliver(flight, run)
+                    if run.closed:
+                        return
+                return
+            name = f"stpipe-prefetch-{next(_thread_ids)}"
+            run.thread = threading.Thread(target=self._producer, args=(run, it), name=name, daemon=True)
+            run.thread.start()
+            while True:
+                item = self._next_item(run)
+                if item is _END or item is None:
+                    return
+                if isinstance(item, _Failure):
+                    self._reraise(item)
+                yield from self._deliver(item, run)
+                if run.closed:
+                    return
+        finally:
+            self._shutdown(run)
+
+    def _deliver(self, flight: _Flight, run: _Run) -> Iterator[Step]:
+        step = Step(self, flight)
+        try:
+            yield step
+        finally:
+            if not step._entered:
+                self._drop(flight, run)
+                self.stats["skipped"] += 1
+        if step._entered and not step._exited:
+            raise StpipeRuntimeError(
+                f"step {flight.index} was entered but not exited before the next one; use `with step:`"
+            )
+
+    def _next_item(self, run: _Run) -> Any:
+        while True:
+            if run.closed:
+                return None
+            try:
+                return run.out.get(timeout=_POLL)
+            except queue.Empty:
+                pass
+            if run.thread is not None and not run.thread.is_alive():
+                try:
+                    return run.out.get_nowait()
+                except queue.Empty:
+                    raise StpipeRuntimeError(
+                        f"the prefetch thread {run.thread.name!r} ended without a result (last: {run.where})"
+                    ) from None
+
+    @staticmethod
+    def _reraise(fail: _Failure) -> None:
+        exc = fail.exc
+        note = f"stpipe: raised in the prefetch thread {fail.thread!r} while {fail.where}"
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+            raise exc
+        raise StpipeRuntimeError(f"{note}: {type(exc).__name__}: {exc}") from exc  # pragma: no cover
+
+    def _shutdown(self, run: _Run) -> None:
+        if run.closed:
+            return
+        run.closed = True
+        run.stop.set()
+        th = run.thread
+        if th is not None and th.is_alive() and th is not threading.current_thread():
+            th.join(self.join_timeout)
+            if th.is_alive():
+                warnings.warn(
+                    f"stpipe: the prefetch thread {th.name!r} did not stop within "
+                    f"{self.join_timeout} s (it is {run.where}); it is a daemon thread and is "
+                    "left behind; it will issue no more copies",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        while True:
+            try:
+                run.out.get_nowait()
+            except queue.Empty:
+                break
+        with self._lock:
+            self._inflight.clear()
+        if self._run is run:
+            self._run = None
+        if self._cuda:
+            self._copy_stream.synchronize()
+
+    # --------------------------------------------------------- prefetch thread
+    def _producer(self, run: _Run, it: Iterator[Any]) -> None:
+        slot = None
+        try:
+            if self._cuda:
+                torch.cuda.set_device(self.device)
+            for idx in itertools.count():
+                if run.stop.is_set():
+                    return
+                run.where = f"reading batch {idx} from the iterable"
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    run.put(_END)
+                    return
+                if run.stop.is_set():
+                    return
+                flight = self._prepare(idx, batch, run)
+                run.where = f"waiting for a free staging slot for batch {idx}"
+                slot = run.take_slot()
+                if slot is None:
+                    return
+                flight.slot = slot
+                self._issue(flight, run)
+                slot = None  # owned by the flight now
+                run.where = f"handing batch {idx} to the training thread"
+                if not run.put(flight):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - everything goes to the training thread
+            if slot is not None:
+                run.free_slots.put(slot)
+            run.put(_Failure(exc, run.where, threading.current_thread().name))
+
+    def _prepare(self, idx: int, batch: Any, run: _Run) -> _Flight:
+        """Ids and plans of one batch (no copies)."""
+        run.where = f"computing the ids of batch {idx} (the ids= function)"
+        ids = self._ids_fn(batch)
+        flight = _Flight(idx, batch, ids[None] if self._single else ids)
+        t0 = time.perf_counter()
+        for name, emb in self.tables.items():
+            run.where = f"planning batch {idx}" + ("" if self._single else f" for table {name!r}")
+            x = ids[name]
+            if _is_parts(x):
+                arrs = [check_ids(p, emb.num_rows) for p in x]
+                flat = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
+                p = _plan(flat, emb.num_rows)
+                flight.tables[name] = _TableFlight(plan=p, parts=list(x), single=False)
+                flight.tables[name]._shapes = [a.shape for a in arrs]  # type: ignore[attr-defined]
+            else:
+                p = _plan(x, emb.num_rows)
+                flight.tables[name] = _TableFlight(plan=p, parts=[x], single=True)
+        flight.plan_s = time.perf_counter() - t0
+        run.where = f"uploading the inverse of batch {idx}"
+        for name, tf in flight.tables.items():
+            inv = _to_device_index(tf.plan.inverse.reshape(-1), self.device, self._copy_stream)
+            if tf.single:
+                tf.part_inverse = [inv.view(tf.plan.inverse.shape)]
+            else:
+                out, start = [], 0
+                for shape in tf._shapes:  # type: ignore[attr-defined]
+                    n = int(np.prod(shape, dtype=np.int64))
+                    out.append(inv[start:start + n].view(shape))
+                    start += n
+                tf.part_inverse = out
+        return flight
+
+    def _issue(self, flight: _Flight, run: _Run) -> None:
+        """Overlaps with the batches in flight (off the lock), then the gather (under it)."""
+        idx = flight.index
+        run.where = f"computing the overlap of batch {idx} with the batches in flight"
+        with self._lock:
+            earlier = list(self._inflight.values())
+        for prev in earlier:
+            ov = {}
+            for name, tf in flight.tables.items():
+                pp, np_ = overlap(prev.tables[name].plan, tf.plan)
+                if len(pp):
+                    ov[name] = (
+                        _to_device_index(pp, self.device, self._copy_stream),
+                        _to_device_index(np_, self.device, self._copy_stream),
+                    )
+            flight.overlaps[prev.index] = ov
+        run.where = f"gathering batch {idx}"
+        with self._lock:
+            if run.stop.is_set():
+                raise _Stopped()
+            self._gather(flight, run)
+            self._inflight[idx] = flight
+
+    def _gather(self, flight: _Flight, run: Optional[_Run] = None) -> None:
+        """Gather a batch's rows and known state into its slot (issue lock held).
+
+        Stream: the copy stream; records ``flight.ready`` there. On CPU: synchronous.
+        """
+        cs = self._copy_stream
+        ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
+        with ctx:
+            for name, tf in flight.tables.items():
+                if run is not None:
+                    run.where = f"gathering batch {flight.index}" + ("" if self._single else f" for table {name!r}")
+                emb = self.tables[name]
+                rs = emb.row_state
+                keys = rs.keys if rs is not None else ()
+                k = tf.k
+                slots = self._slots[name]
+                slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
+                if k:
+                    self._gather_into(emb.table, tf.plan.unique, slots.rows[flight.slot][:k])
+                    for key in keys:
+                        self._gather_into(rs.tables[key], tf.plan.unique, slots.state[flight.slot][key][:k])
+                tf.keys = tuple(keys)
+                self.stats["rows_gathered"] += k
+            if self._cuda:
+                flight.ready = torch.cuda.Event()
+                flight.ready.record(cs)
+
+    def _gather_into(self, table: Any, unique: np.ndarray, out: torch.Tensor) -> None:
+        res = table.gather(unique, out=out, stream=self._copy_stream)
+        if res is not None and (res.data_ptr() != out.data_ptr() or res.shape != out.shape):
+            out.copy_(res, non_blocking=True)
+
+    def _drop(self, flight: _Flight, run: _Run) -> None:
+        """Forget a batch that will not be trained (never entered)."""
+        with self._lock:
+            self._inflight.pop(flight.index, None)
+        if flight.slot >= 0:
+            run.free_slots.put(flight.slot)
+            flight.slot = -1
+
+    # ------------------------------------------------------------ training thread
+    def _enter(self, step: Step) -> None:
+        run = self._run
+        if run is None or run.closed:
+            raise StpipeRuntimeError(f"step {step.index} belongs to a run that has ended")
+        f = step._flight
+        t0 = time.perf_counter()
+        cs = self._copy_stream
+        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        self._compute_stream = compute
+        step._compute_stream = compute
+        # an optimizer that creates its state in __init__ (Adagrad) has it before any step
+        for emb in self.tables.values():
+            rs = emb.row_state
+            if rs is not None and not rs.discovered and rs.optimizer.state.get(emb.weight):
+                with self._lock:
+                    rs.discover()
+        # state keys discovered after this batch was gathered: gather them now (the host
+        # is up to date: every earlier step has issued its write-back)
+        late = {name: [k for k in (self.tables[name].row_state.keys if self.tables[name].row_state else ())
+                       if k not in tf.keys]
+                for name, tf in f.tables.items()}
+        if any(late.values()):
+            with self._lock:
+                ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
+                with ctx:
+                    for name, keys in late.items():
+                        if not keys:
+                            continue
+                        tf = f.tables[name]
+                        emb = self.tables[name]
+                        slots = self._slots[name]
+                        slots.ensure(f.slot, tf.k, emb.row_state.keys, (cs, compute))
+                        if tf.k:
+                            for key in keys:
+                                self._gather_into(emb.row_state.tables[key], tf.plan.unique,
+                                                  slots.state[f.slot][key][:tf.k])
+                        tf.keys = tuple(emb.row_state.keys)
+                    if self._cuda:
+                        f.ready = torch.cuda.Event()
+                        f.ready.record(cs)
+        if self._cuda:
+            if self._profile:
+                f.ready.synchronize()
+            compute.wait_event(f.ready)
+        for name, tf in f.tables.items():
+            emb = self.tables[name]
+            slots = self._slots[name]
+            k = tf.k
+            if self._cuda:
+                for inv in tf.part_inverse:
+                    inv.record_stream(compute)
+            _set_working(emb.weight, slots.rows[f.slot][:k])
+            rs = emb.row_state
+            if rs is not None:
+                step._snaps[name] = rs.snapshot()
+                rs.install({key: slots.state[f.slot][key][:k] for key in tf.keys})
+            emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv) for x, inv in zip(tf.parts, tf.part_inverse)],
+                               unique=tf.plan.unique))
+        t1 = time.perf_counter()
+        step._t_enter = t1
+        if self._profile:
+            step.record = {"index": f.index, "plan_ms": f.plan_s * 1e3, "wait_ms": (t1 - t0) * 1e3}
+
+    def _exit(self, step: Step, failed: bool) -> None:
+        run = self._run
+        f = step._flight
+        compute = step._compute_stream
+        for emb in self.tables.values():
+            emb._bind(None)
+        err: Optional[BaseException] = None
+        if not failed:
+            try:
+                for emb in self.tables.values():
+                    if emb.row_state is not None:
+                        emb.row_state.discover()
+            except BaseException as exc:  # unsplittable state: the step fails
+                err = exc
+                failed = True
+        if failed:
+            self._fail(step, run)
+            if err is not None:
+                raise err
+            return
+        if self._profile and self._cuda:
+            compute.synchronize()
+        t1 = time.perf_counter()
+        self._write_back(step)
+        if self._profile:
+            if self._cuda:
+                self._copy_stream.synchronize()
+            t2 = time.perf_counter()
+            step.record.update(compute_ms=(t1 - step._t_enter) * 1e3, writeback_ms=(t2 - t1) * 1e3)
+            self.profile.append(step.record)
+        self.stats["steps"] += 1
+        if run is not None and not run.closed:
+            run.free_slots.put(f.slot)
+        f.slot = -1
+        if run is None or run.closed:
+            self.synchronize()
+
+    def _fail(self, step: Step, run: Optional[_Run]) -> None:
+        """Leave a step by exception: no write-back, restore scalar optimizer state."""
+        f = step._flight
+        for name, emb in self.tables.items():
+            emb.weight.grad = None
+            rs = emb.row_state
+            if rs is not None and name in step._snaps:
+                rs.restore(step._snaps[name])
+        with self._lock:
+            if self._cuda:
+                done = torch.cuda.Event()
+                done.record(step._compute_stream)
+                self._copy_stream.wait_event(done)  # the slot's next gather waits for our compute
+            self._inflight.pop(f.index, None)
+        if run is not None and not run.closed:
+            run.free_slots.put(f.slot)
+        f.slot = -1
+        self.stats["failed"] += 1
+
+    def _write_back(self, step: Step) -> None:
+        """Fix up the batches in flight and scatter this step's rows and state.
+
+        Stream: the copy stream, after ``done`` recorded on the compute stream; the
+        training thread does not wait. Under the issue lock, so every gather is issued
+        either before it (and fixed up here) or after it (and reads the written host).
+        """
+        f = step._flight
+        cs = self._copy_stream
+        compute = step._compute_stream
+        # make sure the slot holds what the optimizer produced (compute stream)
+        views: Dict[Any, Dict[str, torch.Tensor]] = {}
+        for name, tf in f.tables.items():
+            emb = self.tables[name]
+            slots = self._slots[name]
+            k = tf.k
+            rows = slots.rows[f.slot][:k]
+            w = emb.weight.data
+            if w.data_ptr() != rows.data_ptr() or w.shape != rows.shape:
+                if w.shape != rows.shape:
+                    raise StpipeRuntimeError(
+                        f"emb.weight was replaced during step {f.index} by a tensor of shape "
+                        f"{tuple(w.shape)}; expected the step's rows {tuple(rows.shape)}"
+                    )
+                rows.copy_(w)
+            rs = emb.row_state
+            sv = {}
+            if rs is not None and rs.keys:
+                new = [key for key in rs.keys if key not in tf.keys]
+                if new:
+                    slots.ensure(f.slot, k, rs.keys, (cs, compute))
+                for key in rs.keys:
+                    buf = slots.state[f.slot][key][:k]
+                    cur = rs.current(key)
+                    if cur.data_ptr() != buf.data_ptr() or cur.shape != buf.shape:
+                        buf.copy_(cur)
+                    sv[key] = buf
+            views[name] = (rows, sv)
+        with self._lock:
+            ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
+            with ctx:
+                if self._cuda:
+                    done = torch.cuda.Event()
+                    done.record(compute)
+                    cs.wait_event(done)
+                later = sorted(j for j in self._inflight if j > f.index)
+                for j in later:
+                    g = self._inflight[j]
+                    ov = g.overlaps.get(f.index, {})
+                    touched = False
+                    for name, (pp, np_) in ov.items():
+                        rows, sv = views[name]
+                        gtf = g.tables[name]
+                        slots = self._slots[name]
+                        slots.rows[g.slot].index_copy_(0, np_, rows.index_select(0, pp))
+                        for key in gtf.keys:
+                            slots.state[g.slot][key].index_copy_(0, np_, sv[key].index_select(0, pp))
+                        self.stats["rows_carried"] += int(pp.shape[0])
+                        touched = True
+                    if touched and self._cuda:
+                        g.ready = torch.cuda.Event()
+                        g.ready.record(cs)
+                for name, tf in f.tables.items():
+                    if not tf.k:
+                        continue
+                    emb = self.tables[name]
+                    rows, sv = views[name]
+                    emb.table.scatter(tf.plan.unique, rows, stream=cs, assume_unique=True)
+                    for key, buf in sv.items():
+                        emb.row_state.tables[key].scatter(tf.plan.unique, buf, stream=cs, assume_unique=True)
+            self._inflight.pop(f.index, None)
+
+
+def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``param`` the working rows ``view`` ``(k, dim)`` and clear its gradient.
+
+    Autograd caches a leaf's gradient accumulator (with the leaf's shape) for as long as a
+    graph that used it is alive (e.g. the previous step's ``loss``); ``.data =`` with a
+    new *shape* keeps that stale accumulator, and the next backward fails with "expected
+    shape compatible with [k_old, dim]". A change of dtype resets it, so the parameter
+    passes through an empty tensor of another dtype first.
+    """
+    param.grad = None
+    other = torch.float64 if view.dtype != torch.float64 else torch.float32
+    param.data = torch.empty(0, dtype=other, device=view.device)
+    param.data = view
+
+
+class _Stopped(Exception):
+    """Internal: the run was stopped while the prefetch thread worked."""
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False

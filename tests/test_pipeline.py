@@ -1,0 +1,578 @@
+"""Pipeline tests: pipelined (depth 1, 2) vs sequential (depth 0), bit for bit.
+
+Every optimizer of the issue x adversarial id patterns; the loss depends on the current row
+values, so a stale row (the hazard) changes the result. A control test switches the
+hazard fix-up off and checks that the comparison then fails. Failure tests: an exception
+in the user's step, in the batch iterable, in the prefetch thread (injected), bad ids; the
+tables are unchanged for the failed step and nothing hangs.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import stpipe.pipeline as pipeline_mod
+from stpipe import StpipeIndexError, StpipeRuntimeError, StpipeValueError
+from stpipe.embedding import HostEmbedding
+from stpipe.pipeline import Pipeline, Step
+
+NUM_ROWS = 1000
+DIM = 8
+STEPS = 20
+BATCH = 16
+
+# --------------------------------------------------------------------------- fixtures
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "sgd_momentum_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3,
+                                                        weight_decay=0.01),
+    "sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, foreach=True),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, fused=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.01),
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=0.01),
+    "radam": lambda p: torch.optim.RAdam(p, lr=0.01),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1, lr_decay=0.01),
+    "adagrad_fused": lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True, momentum=0.9),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=0.05, t0=5),
+}
+
+
+def _zipf(rng, n):
+    return (rng.zipf(1.2, size=n) - 1) % NUM_ROWS
+
+
+PATTERNS = {
+    "identical": lambda rng, i: np.arange(10, 10 + BATCH) % 13,
+    "alternating": lambda rng, i: (np.arange(BATCH) + (0 if i % 2 else 5)) % 20,
+    "sliding": lambda rng, i: np.arange(4 * i, 4 * i + BATCH),
+    "hot": lambda rng, i: np.concatenate([[7], rng.integers(0, 60, BATCH - 1)]),
+    "all_same": lambda rng, i: np.full(BATCH, 3),
+    "empty": lambda rng, i: np.empty(0, np.int64) if i % 3 == 1 else rng.integers(0, 40, BATCH),
+    "zipf": lambda rng, i: _zipf(rng, BATCH),
+}
+
+
+def make_batches(pattern, steps=STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(steps):
+        ids = np.asarray(PATTERNS[pattern](rng, i), dtype=np.int64)
+        out.append({"ids": torch.from_numpy(ids), "target": torch.from_numpy(rng.standard_normal(ids.shape[0]))})
+    return out
+
+
+COEF = torch.linspace(-1.0, 1.0, DIM)
+
+
+def loss_fn(rows, target):
+    """Depends on the rows' current values, so stale rows change the result."""
+    pred = (torch.tanh(rows) * COEF).sum(-1)
+    return ((pred - target.to(rows.dtype)) ** 2).sum()
+
+
+def make_emb(seed=1, **kw):
+    return HostEmbedding(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(seed), device="cpu", **kw)
+
+
+def snapshot(emb, opt=None):
+    out = {"table": emb.table.tensor().clone()}
+    for key, t in emb.state_tables.items():
+        out["state:" + key] = t.tensor().clone()
+    if opt is not None and emb.weight in opt.state:
+        for key, v in opt.state[emb.weight].items():
+            if key not in emb.state_tables:
+                out["scalar:" + key] = v.clone() if torch.is_tensor(v) else v
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if torch.is_tensor(x):
+            assert torch.equal(x, y), f"{key} differs (max abs diff {(x.double() - y.double()).abs().max()})"
+        else:
+            assert x == y, key
+
+
+def train(depth, opt_name, batches, *, fail_at=(), skip=(), emb_kw=None):
+    emb = make_emb(**(emb_kw or {}))
+    opt = OPTIMIZERS[opt_name](emb.parameters())
+    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=depth) as pipe:
+        for step in pipe.run(b for i, b in enumerate(batches) if i not in skip):
+            try:
+                with step:
+                    loss = loss_fn(emb(step.ids), step.batch["target"])
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if step.index in fail_at:
+                        raise KeyError("boom")
+            except KeyError:
+                pass
+    return snapshot(emb, opt), pipe
+
+
+# ------------------------------------------------------------ pipelined == sequential
+# fused CPU kernels are slow on tiny tensors: they get the three hardest patterns
+MATRIX = [
+    pytest.param(o, p, id=f"{o}-{p}")
+    for o in OPTIMIZERS
+    for p in PATTERNS
+    if "fused" not in o or p in ("identical", "hot", "zipf")
+]
+
+
+@pytest.mark.parametrize("opt_name, pattern", MATRIX)
+def test_pipelined_equals_sequential(opt_name, pattern):
+    batches = make_batches(pattern)
+    ref, _ = train(0, opt_name, batches)
+    for depth in (1, 2):
+        got, pipe = train(depth, opt_name, batches)
+        assert_same(ref, got)
+        assert pipe.stats["steps"] == STEPS and pipe.stats["failed"] == 0
+    if pattern != "empty" and opt_name != "sgd":
+        assert len(ref) > 1  # optimizer state was offloaded and compared
+
+
+def test_training_changes_rows():
+    """Guard against a vacuous comparison: training moves the table."""
+    batches = make_batches("hot")
+    before = make_emb().table.tensor().clone()
+    got, _ = train(1, "adam", batches)
+    assert not torch.equal(before, got["table"])
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=lambda d: f"depth{d}")
+def test_hazard_fixup_is_needed(depth, monkeypatch):
+    """Control: without the device-to-device fix-up the pipelined result differs."""
+    batches = make_batches("identical")
+    ref, _ = train(0, "adam", batches)
+
+    orig_issue = Pipeline._issue
+
+    def no_overlaps(self, flight, run):
+        orig_issue(self, flight, run)
+        flight.overlaps.clear()
+
+    monkeypatch.setattr(Pipeline, "_issue", no_overlaps)
+    got, _ = train(depth, "adam", batches)
+    assert not torch.equal(ref["table"], got["table"])
+
+
+def test_stale_rows_are_carried():
+    _, pipe = train(1, "adam", make_batches("identical"))
+    assert pipe.stats["rows_carried"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_half_dtypes_pipelined_equals_sequential(dtype):
+    batches = make_batches("zipf")
+    ref, _ = train(0, "adam", batches, emb_kw={"dtype": dtype})
+    got, _ = train(2, "adam", batches, emb_kw={"dtype": dtype})
+    assert ref["table"].dtype == dtype
+    assert_same(ref, got)
+
+
+# ------------------------------------------------------------------- several tables
+def _skipgram_batches(steps=20, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        centre = torch.from_numpy(_zipf(rng, 8))
+        ctx = torch.from_numpy(_zipf(rng, (8, 5)).reshape(8, 5))
+        out.append({"centre": centre, "ctx": ctx, "label": torch.from_numpy(rng.integers(0, 2, (8, 5))).float()})
+    return out
+
+
+def _train_skipgram(depth, batches, shared=False):
+    e_in = make_emb(seed=2)
+    e_out = e_in if shared else make_emb(seed=3)
+    params = list(e_in.parameters()) + ([] if shared else list(e_out.parameters()))
+    opt = torch.optim.Adam(params, lr=0.01)
+    if shared:
+        pipe = Pipeline(e_in, optimizer=opt, ids=lambda b: (b["centre"], b["ctx"]), depth=depth)
+    else:
+        pipe = Pipeline({"in": e_in, "out": e_out}, optimizer=opt,
+                        ids=lambda b: {"in": b["centre"], "out": b["ctx"]}, depth=depth)
+    with pipe:
+        for step in pipe.run(batches):
+            with step:
+                if shared:
+                    c, x = step.ids
+                    u, v = e_in(c), e_in(x)
+                else:
+                    u, v = e_in(step.ids["in"]), e_out(step.ids["out"])
+                logits = (u.unsqueeze(1) * v).sum(-1)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, step.batch["label"])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    out = {"in": snapshot(e_in, opt)}
+    if not shared:
+        out["out"] = snapshot(e_out, opt)
+    return out
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two_tables", "one_table_two_fields"])
+def test_several_tables(shared):
+    batches = _skipgram_batches()
+    ref = _train_skipgram(0, batches, shared)
+    for depth in (1, 2):
+        got = _train_skipgram(depth, batches, shared)
+        for name in ref:
+            assert_same(ref[name], got[name])
+
+
+def test_ids_variants():
+    e_a, e_b = make_emb(seed=4), make_emb(seed=5)
+    batches = [{"a": torch.tensor([1, 2]), "b": torch.tensor([3])}] * 3
+    for ids in (None, {"a": "a", "b": lambda b: b["b"]}, lambda b: {"a": b["a"], "b": b["b"]}):
+        with Pipeline({"a": e_a, "b": e_b}, ids=ids) as pipe:
+            seen = []
+            for step in pipe.run(batches):
+                with step:
+                    seen.append((step.plans["a"].unique.tolist(), step.plans["b"].unique.tolist()))
+                    assert e_a(step.ids["a"]).shape == (2, DIM)
+        assert seen == [([1, 2], [3])] * 3
+    # single table: key, callable, raw batch
+    for ids, data in (("x", [{"x": [4, 5]}]), (None, [np.array([4, 5])]), (lambda b: b[0], [([4, 5],)])):
+        with Pipeline(e_a, ids=ids) as pipe:
+            for step in pipe.run(data):
+                with step:
+                    assert step.plans[None].unique.tolist() == [4, 5]
+
+
+def test_ids_function_must_name_every_table():
+    e_a, e_b = make_emb(), make_emb()
+    with Pipeline({"a": e_a, "b": e_b}, ids=lambda b: {"a": b}, depth=0) as pipe:
+        with pytest.raises(StpipeValueError, match=r"no ids for table\(s\) \['b'\]"):
+            for _ in pipe.run([[1]]):
+                pass
+
+
+def test_constructor_validation():
+    emb = make_emb()
+    opt_other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(StpipeValueError, match="depth"):
+        Pipeline(emb, depth=-1)
+    with pytest.raises(TypeError, match="HostEmbedding"):
+        Pipeline(torch.nn.Embedding(3, 2))
+    with pytest.raises(StpipeValueError, match="none of the given optimizers"):
+        Pipeline(emb, optimizer=opt_other)
+    with pytest.raises(StpipeValueError, match="twice"):
+        Pipeline({"a": emb, "b": emb})
+
+
+def test_dataloader_iterator_and_profile():
+    data = torch.utils.data.TensorDataset(torch.randint(0, NUM_ROWS, (64, 4)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    emb = make_emb()
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    with Pipeline(emb, optimizer=opt, ids=lambda b: b[0], profile=True) as pipe:
+        n = 0
+        for step in pipe.run(iter(loader)):
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            n += 1
+    assert n == 8
+    assert len(pipe.profile) == 8
+    assert {"plan_ms", "wait_ms", "compute_ms", "writeback_ms"} <= pipe.profile[0].keys()
+
+
+def test_forward_with_other_ids_inside_step():
+    emb = make_emb()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with Pipeline(emb, optimizer=opt, depth=1) as pipe:
+        for step in pipe.run([torch.tensor([5, 9, 5, 11])]):
+            with step:
+                same = emb(step.ids)
+                again = emb(step.ids.clone())  # not the planned object: located by search
+                assert torch.equal(same, again)
+                assert torch.equal(emb(torch.tensor([11, 5])), same[[3, 0]])
+                with pytest.raises(StpipeValueError, match="row id 12 at position 1"):
+                    emb(torch.tensor([9, 12]))
+
+
+# --------------------------------------------------------------------------- failures
+DEPTHS = pytest.mark.parametrize("depth", [0, 1, 2], ids=lambda d: f"depth{d}")
+
+
+@DEPTHS
+@pytest.mark.parametrize("opt_name", ["adam", "asgd", "rprop"])
+def test_exception_in_step_leaves_tables_and_goes_on(depth, opt_name):
+    """A failed step writes nothing and restores scalar state: as if the batch never was."""
+    batches = make_batches("hot")
+    for fail in ((0,), (5,), (5, 6), (STEPS - 1,)):
+        ref, _ = train(0, opt_name, batches, skip=fail)
+        got, pipe = train(depth, opt_name, batches, fail_at=fail)
+        assert_same(ref, got)
+        assert pipe.stats["failed"] == len(fail)
+
+
+@DEPTHS
+def test_tables_unchanged_right_after_failed_step(depth):
+    emb = make_emb()
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    batches = make_batches("identical", steps=8)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        for step in pipe.run(batches):
+            pipe.synchronize()
+            before = snapshot(emb, opt)
+            try:
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    if step.index >= 3:
+                        1 / 0
+            except ZeroDivisionError:
+                assert step.index >= 3
+            pipe.synchronize()
+            after = snapshot(emb, opt)
+            if step.index >= 3:
+                assert_same(before, after)
+            else:
+                assert not torch.equal(before["table"], after["table"])
+
+
+class _Boom(Exception):
+    pass
+
+
+def _failing_iterable(batches, at):
+    for i, b in enumerate(batches):
+        if i == at:
+            raise _Boom(f"iterable broke at {i}")
+        yield b
+
+
+def _assert_no_prefetch_threads(timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not [t for t in threading.enumerate() if t.name.startswith("stpipe-prefetch")]:
+            return
+        time.sleep(0.01)
+    raise AssertionError([t.name for t in threading.enumerate()])
+
+
+@DEPTHS
+def test_exception_in_iterable(depth):
+    batches = make_batches("zipf")
+    ref, _ = train(0, "adam", batches[:7])
+    emb = make_emb()
+    opt = OPTIMIZERS["adam"](emb.parameters())
+    done = []
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        with pytest.raises(_Boom, match="iterable broke at 7") as info:
+            for step in pipe.run(_failing_iterable(batches, 7)):
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                done.append(step.index)
+    assert done == list(range(7))
+    if depth:
+        assert any("reading batch 7 from the iterable" in n for n in info.value.__notes__)
+        assert any("stpipe-prefetch" in n for n in info.value.__notes__)
+    assert_same(ref, snapshot(emb, opt))
+    _assert_no_prefetch_threads()
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=lambda d: f"depth{d}")
+def test_exception_in_prefetch_thread_injected(depth, monkeypatch):
+    batches = make_batches("hot")
+    ref, _ = train(0, "adam", batches[:7])
+    emb = make_emb()
+    opt = OPTIMIZERS["adam"](emb.parameters())
+    calls = {"n": 0}
+    real_gather = emb.table.gather
+
+    def flaky_gather(*a, **kw):
+        if threading.current_thread().name.startswith("stpipe-prefetch"):
+            calls["n"] += 1
+            if calls["n"] == 8:  # batch 7's row gather
+                raise RuntimeError("injected gather failure")
+        return real_gather(*a, **kw)
+
+    monkeypatch.setattr(emb.table, "gather", flaky_gather)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        with pytest.raises(RuntimeError, match="injected gather failure") as info:
+            for step in pipe.run(batches):
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+    assert any("gathering batch 7" in n for n in info.value.__notes__)
+    assert_same(ref, snapshot(emb, opt))
+    _assert_no_prefetch_threads()
+    # the pipeline object can run again after the failure
+    monkeypatch.setattr(emb.table, "gather", real_gather)
+
+
+@DEPTHS
+def test_bad_ids_raise_before_any_copy(depth):
+    batches = make_batches("hot", steps=6)
+    batches[4] = {"ids": torch.tensor([1, 2, NUM_ROWS + 5]), "target": torch.zeros(3)}
+    ref, _ = train(0, "sgd_momentum", batches[:4])
+    emb = make_emb()
+    opt = OPTIMIZERS["sgd_momentum"](emb.parameters())
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        with pytest.raises(StpipeIndexError, match=f"row id {NUM_ROWS + 5} at position 2"):
+            for step in pipe.run(batches):
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+    assert_same(ref, snapshot(emb, opt))
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=lambda d: f"depth{d}")
+def test_exception_in_ids_function(depth):
+    emb = make_emb()
+
+    def ids(b):
+        if b == 2:
+            raise LookupError("no ids here")
+        return [b]
+
+    with Pipeline(emb, ids=ids, depth=depth) as pipe:
+        got = []
+        with pytest.raises(LookupError) as info:
+            for step in pipe.run(range(5)):
+                with step:
+                    got.append(step.index)
+    assert got == [0, 1]
+    assert any("computing the ids of batch 2" in n for n in info.value.__notes__)
+
+
+@DEPTHS
+def test_break_and_close_never_hang(depth):
+    emb = make_emb()
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+
+    def endless():
+        i = 0
+        while True:
+            yield torch.tensor([i % 50, (i + 1) % 50])
+            i += 1
+
+    t0 = time.monotonic()
+    with Pipeline(emb, optimizer=opt, depth=depth) as pipe:
+        for step in pipe.run(endless()):
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+            if step.index == 10:
+                break
+    assert time.monotonic() - t0 < 10
+    _assert_no_prefetch_threads()
+    # after close, the pipeline refuses new runs
+    with pytest.raises(StpipeRuntimeError, match="closed"):
+        pipe.run([1])
+
+
+def test_close_with_a_hanging_iterable_returns():
+    release = threading.Event()
+
+    def hanging():
+        yield torch.tensor([1, 2])
+        release.wait(30)
+        yield torch.tensor([3])
+
+    emb = make_emb()
+    pipe = Pipeline(emb, depth=1, join_timeout=0.2)
+    it = pipe.run(hanging())
+    step = next(it)
+    with step:
+        pass
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="did not stop"):
+        pipe.close()
+    assert time.monotonic() - t0 < 5
+    release.set()
+    _assert_no_prefetch_threads()
+
+
+def test_step_skipped_when_not_entered_and_guards():
+    emb = make_emb()
+    before = emb.table.tensor().clone()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with Pipeline(emb, optimizer=opt, depth=1) as pipe:
+        steps = pipe.run([torch.tensor([1, 2])] * 4)
+        for step in steps:
+            if step.index % 2:
+                continue  # never entered: skipped, nothing written
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            with pytest.raises(StpipeRuntimeError, match="already entered"):
+                with step:
+                    pass
+            with pytest.raises(StpipeRuntimeError, match="another run"):
+                next(pipe.run([1]))
+    assert pipe.stats["skipped"] == 2 and pipe.stats["steps"] == 2
+    # two SGD steps of lr 0.1 on rows 1, 2 (gradient 1 per element)
+    after = emb.table.tensor()
+    assert torch.allclose(after[1:3], before[1:3] - 0.2)
+    assert torch.equal(after[3:], before[3:])
+
+
+def test_runs_again_and_empty_iterable():
+    emb = make_emb()
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    pipe = Pipeline(emb, optimizer=opt)
+    assert list(pipe.run([])) == []
+    for _ in range(2):
+        for step in pipe.run([torch.tensor([1, 2]), torch.tensor([2, 3])]):
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert int(opt.state[emb.weight]["step"]) == 4
+    pipe.close()
+    pipe.close()  # idempotent
+
+
+def test_unsplittable_state_is_a_clear_error():
+    emb = make_emb()
+    before = emb.table.tensor().clone()
+    opt = torch.optim.Adafactor(emb.parameters(), lr=0.01)
+    with Pipeline(emb, optimizer=opt, depth=1) as pipe:
+        with pytest.raises(StpipeValueError, match="'row_var'|'col_var'"):
+            for step in pipe.run([torch.tensor([1, 2, 3])] * 3):
+                with step:
+                    emb(step.ids).sum().backward()
+                    opt.step()
+    assert torch.equal(emb.table.tensor(), before)
+    assert emb.weight not in opt.state
+
+
+def test_step_repr_and_attributes():
+    emb = make_emb()
+    with Pipeline(emb, ids="ids", depth=0) as pipe:
+        for step in pipe.run([{"ids": torch.tensor([[3, 1], [3, 2]])}]):
+            assert isinstance(step, Step)
+            assert "ready" in repr(step)
+            with step:
+                assert step.plans[None].unique.tolist() == [1, 2, 3]
+                assert emb.weight.shape == (3, DIM)
+                assert emb(step.batch["ids"]).shape == (2, 2, DIM)
