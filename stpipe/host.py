@@ -326,20 +326,28 @@ class HostTable:
         for ev in events:
             ev.synchronize()
 
-    def _before(self, stream: "torch.cuda.Stream", write: bool) -> None:
+    def _resolve(self, op: str, batch: IndexBatch, buf: torch.Tensor,
+                 stream: "torch.cuda.Stream"):
+        """The concrete backend for this call (``auto`` measures once per size class)."""
+        resolve = getattr(self._mover, "resolve", None)
+        if resolve is None:
+            return self._mover
+        return resolve(op, self._data, batch, buf, stream, self._sync_all, pinned=self.pinned)
+
+    def _before(self, mover: Any, stream: "torch.cuda.Stream", write: bool) -> None:
         """Order this access after earlier conflicting ones (see module docstring)."""
         with self._lock:
             events = [self._write_event] if self._write_event else []
             if write:
                 events += self._read_events
         for ev in events:
-            if self._mover.needs_pinned:
+            if mover.needs_pinned:
                 stream.wait_event(ev)
-            if self._mover.uses_cpu:
+            if mover.uses_cpu:
                 ev.synchronize()
 
-    def _after(self, stream: "torch.cuda.Stream", write: bool) -> None:
-        if not self._mover.needs_pinned:
+    def _after(self, mover: Any, stream: "torch.cuda.Stream", write: bool) -> None:
+        if not mover.needs_pinned:
             return  # the CPU finished its host accesses before returning
         ev = torch.cuda.Event()
         ev.record(stream)
@@ -748,9 +756,10 @@ class HostTable:
                 out = torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
         if n == 0:
             return out
-        self._before(s, write=False)
-        self._mover.gather(self._data, batch, out, s)
-        self._after(s, write=False)
+        mover = self._resolve("gather", batch, out, s)
+        self._before(mover, s, write=False)
+        mover.gather(self._data, batch, out, s)
+        self._after(mover, s, write=False)
         return out
 
     def scatter(self, ids: Any, rows: torch.Tensor,
@@ -795,11 +804,12 @@ class HostTable:
         if not rows.is_contiguous():
             with torch.cuda.stream(s):
                 rows = rows.contiguous()
-        self._before(s, write=True)
-        if self._mover.needs_pinned:
+        mover = self._resolve("scatter", batch, rows, s)
+        self._before(mover, s, write=True)
+        if mover.needs_pinned:
             rows.record_stream(s)
-        self._mover.scatter(self._data, batch, rows, s)
-        self._after(s, write=True)
+        mover.scatter(self._data, batch, rows, s)
+        self._after(mover, s, write=True)
 
 
 def _check_unique(batch: IndexBatch) -> None:

@@ -1,0 +1,211 @@
+"""The ``cupy`` backend: UVA gather/scatter kernels compiled with ``cupy.RawModule``.
+
+The kernels read (gather) or write (scatter) page-locked host memory directly over PCIe
+through its unified-virtual-address pointer. Rows are copied as raw machine words, so the
+kernels are dtype-agnostic and bit-exact (float32, float16, bfloat16 alike). The word is
+the widest of 16 bytes (``uint4``), 4 bytes or 2 bytes that divides the row size and the
+alignment of every pointer: ``dim * itemsize % 16 == 0`` with 16-byte aligned buffers
+gives vectorised 16-byte accesses, any other row size uses 4- or 2-byte words (a row is
+then copied entirely in those words, so there is no tail case).
+
+Thread mapping: one thread per word over the flattened ``(n, words_per_row)`` output,
+grid-stride. Consecutive lanes touch consecutive words of a row (coalesced), and for a
+512-byte row (128 float32) one warp moves one row with 16-byte accesses: the
+warp-per-row kernel of DESIGN.md, without idle lanes for narrow rows.
+
+CuPy is imported on first use of the backend; kernels compile lazily (NVRTC) and are
+cached per device (CuPy additionally caches the binary on disk).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Tuple
+
+import numpy as np
+import torch
+
+from .._errors import BackendUnavailableError, StpipeRuntimeError
+from . import IndexBatch, row_bytes
+
+__all__ = ["CupyBackend", "KERNEL_SOURCE", "word_bytes", "launch_shape"]
+
+KERNEL_SOURCE = r"""
+typedef unsigned short w2_t;
+typedef unsigned int w4_t;
+typedef uint4 w16_t;
+
+template <typename W>
+__device__ __forceinline__ void gather_words(const W* __restrict__ table,
+                                             const long long* __restrict__ ids,
+                                             W* __restrict__ out,
+                                             long long total, long long words) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (; k < total; k += stride) {
+        const long long row = k / words;
+        const long long w = k - row * words;
+        out[k] = table[ids[row] * words + w];
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void scatter_words(W* __restrict__ table,
+                                              const long long* __restrict__ ids,
+                                              const W* __restrict__ rows,
+                                              long long total, long long words) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (; k < total; k += stride) {
+        const long long row = k / words;
+        const long long w = k - row * words;
+        table[ids[row] * words + w] = rows[k];
+    }
+}
+
+#define STPIPE_KERNELS(W)                                                              \
+extern "C" __global__ void stpipe_gather_##W(const W* table, const long long* ids,     \
+                                             W* out, long long total, long long words) \
+{ gather_words<W>(table, ids, out, total, words); }                                    \
+extern "C" __global__ void stpipe_scatter_##W(W* table, const long long* ids,          \
+                                              const W* rows, long long total,          \
+                                              long long words)                         \
+{ scatter_words<W>(table, ids, rows, total, words); }
+
+STPIPE_KERNELS(w2_t)
+STPIPE_KERNELS(w4_t)
+STPIPE_KERNELS(w16_t)
+"""
+
+_WORD_NAMES = {2: "w2_t", 4: "w4_t", 16: "w16_t"}
+THREADS = 256
+
+
+def word_bytes(rb: int, *ptrs: int) -> int:
+    """The widest word (16, 4 or 2 bytes) dividing the row size ``rb`` and every pointer.
+
+    Raises:
+        StpipeRuntimeError: a row size or pointer that is not even 2-byte aligned.
+    """
+    for w in (16, 4, 2):
+        if rb % w == 0 and all(p % w == 0 for p in ptrs):
+            return w
+    raise StpipeRuntimeError(f"rows of {rb} bytes or pointers {ptrs} are not 2-byte aligned")
+
+
+def launch_shape(total: int, sm_count: int) -> Tuple[int, int]:
+    """``(blocks, threads)`` for ``total`` words: enough blocks to keep many PCIe reads in
+    flight, capped at 32 per multiprocessor (the kernels grid-stride)."""
+    blocks = min(-(-total // THREADS), max(1, sm_count) * 32)
+    return max(1, blocks), THREADS
+
+
+def _device_pointer_check(cp, ptr: int) -> None:
+    """Check that the host pointer is page-locked and directly usable on the device."""
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(ptr)
+        kind, dptr = int(attrs.type), int(attrs.devicePointer)
+    except Exception as exc:
+        raise StpipeRuntimeError(
+            f"cannot query the host table at {ptr:#x} ({exc}); create the table with pin=True"
+        ) from None
+    if kind != 1:  # cudaMemoryTypeHost: page-locked host memory known to CUDA
+        raise StpipeRuntimeError(
+            f"host table at {ptr:#x} is not page-locked (CUDA memory type {kind}); "
+            "create the table with pin=True"
+        )
+    if dptr != ptr:
+        raise BackendUnavailableError(
+            "this system maps page-locked host memory at a different device address "
+            "(no unified addressing); use backend='torch'"
+        )
+
+
+class CupyBackend:
+    """UVA kernels through CuPy (see the module docstring).
+
+    Raises:
+        BackendUnavailableError: CuPy is missing or cannot initialise CUDA.
+    """
+
+    name = "cupy"
+    uses_cpu = False
+    needs_pinned = True
+
+    def __init__(self) -> None:
+        try:
+            import cupy as cp
+
+            cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"the cupy backend needs CuPy with a working CUDA ({type(exc).__name__}: "
+                f"{exc}); install cupy-cuda12x or cupy-cuda13x to match your CUDA, or use "
+                "backend='torch'"
+            ) from None
+        self._cp = cp
+        self._lock = threading.Lock()
+        self._modules: Dict[int, object] = {}
+        self._kernels: Dict[Tuple[int, str, int], object] = {}
+        self._sms: Dict[int, int] = {}
+        self._checked: Dict[Tuple[int, int], bool] = {}
+
+    def _kernel(self, device: int, op: str, word: int):
+        key = (device, op, word)
+        k = self._kernels.get(key)
+        if k is not None:
+            return k
+        cp = self._cp
+        with self._lock, cp.cuda.Device(device):
+            mod = self._modules.get(device)
+            if mod is None:
+                mod = cp.RawModule(code=KERNEL_SOURCE, options=("--std=c++14",))
+                self._modules[device] = mod
+            k = mod.get_function(f"stpipe_{op}_{_WORD_NAMES[word]}")
+            self._sms[device] = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+            self._kernels[key] = k
+        return k
+
+    def _launch(self, op: str, table: torch.Tensor, ids: IndexBatch, dev_buf: torch.Tensor,
+                stream: "torch.cuda.Stream") -> None:
+        n = len(ids)
+        if n == 0:
+            return
+        cp = self._cp
+        device = dev_buf.device
+        index = device.index
+        rb = row_bytes(table)
+        tptr, bptr = table.data_ptr(), dev_buf.data_ptr()
+        base = (index, table.untyped_storage().data_ptr())
+        if base not in self._checked:
+            with cp.cuda.Device(index):
+                _device_pointer_check(cp, tptr)
+            self._checked[base] = True
+        word = word_bytes(rb, tptr, bptr)
+        words = rb // word
+        total = n * words
+        kernel = self._kernel(index, op, word)
+        blocks, threads = launch_shape(total, self._sms[index])
+        id_t = ids.on_device(device, stream)
+        args = (np.uint64(tptr), np.uint64(id_t.data_ptr()), np.uint64(bptr),
+                np.int64(total), np.int64(words))
+        with cp.cuda.Device(index):
+            kernel((blocks,), (threads,), args, stream=cp.cuda.ExternalStream(stream.cuda_stream))
+
+    def gather(self, table: torch.Tensor, ids: IndexBatch, out: torch.Tensor,
+               stream: "torch.cuda.Stream") -> None:
+        """``out[j] = table[ids[j]]`` by one kernel on ``stream`` (asynchronous).
+
+        The kernel reads the page-locked ``table`` over UVA and the ids uploaded on
+        ``stream``; ``out`` is valid on ``stream`` afterwards. The caller keeps ``table``
+        registered until the kernel is done (the table's read event).
+        """
+        self._launch("gather", table, ids, out, stream)
+
+    def scatter(self, table: torch.Tensor, ids: IndexBatch, rows: torch.Tensor,
+                stream: "torch.cuda.Stream") -> None:
+        """``table[ids[j]] = rows[j]`` by one kernel on ``stream`` (asynchronous).
+
+        The write is complete once ``stream`` reaches this point (the table records its
+        write event there); the caller keeps ``rows`` alive (``record_stream``).
+        """
+        self._launch("scatter", table, ids, rows, stream)

@@ -1,0 +1,140 @@
+"""CPU tests of stpipe.kernels: registry, lazy imports, launch arithmetic, torch chunking."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from stpipe import BackendUnavailableError, StpipeValueError
+from stpipe.kernels import BACKENDS, IndexBatch, get_backend, row_bytes
+from stpipe.kernels._cupy import KERNEL_SOURCE, launch_shape, word_bytes
+
+
+def test_unknown_backend():
+    with pytest.raises(StpipeValueError, match="backend must be one of"):
+        get_backend("jax")
+    with pytest.raises(ValueError):
+        get_backend(None)
+
+
+def test_torch_backend_is_cached_and_always_available():
+    assert get_backend("torch") is get_backend("torch")
+    assert get_backend("torch").uses_cpu and not get_backend("torch").needs_pinned
+
+
+def _importable(name):
+    code = f"import {name}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(_importable("cupy"), reason="CuPy is installed here")
+def test_cupy_missing_raises_clear_error():
+    with pytest.raises(BackendUnavailableError, match="cupy-cuda"):
+        get_backend("cupy")
+
+
+def test_numba_shim_runs_before_numba_cuda(monkeypatch):
+    """np.row_stack is restored before numba.cuda loads (numpy 2.5 removed it)."""
+    from stpipe.kernels import _numba
+
+    had = hasattr(np, "row_stack")
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    try:
+        _numba.NumbaBackend()
+    except BackendUnavailableError as exc:
+        assert "numba" in str(exc) and "backend='torch'" in str(exc)
+    assert np.row_stack is np.vstack
+    if not had:
+        del np.row_stack
+
+
+def test_backend_modules_import_lazily():
+    code = ("import sys, stpipe.kernels._cupy, stpipe.kernels._numba, stpipe.kernels._auto, "
+            "stpipe.kernels._torch; bad = [m for m in ('cupy', 'numba') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "rb, ptrs, want",
+    [(512, (4096, 512), 16), (516, (4096, 512), 4), (512, (4096, 520), 4),
+     (6, (4096, 512), 2), (2, (4096, 2), 2), (16, (4096, 16), 16), (48, (4096, 8), 4)],
+)
+def test_word_bytes(rb, ptrs, want):
+    assert word_bytes(rb, *ptrs) == want
+
+
+def test_word_bytes_refuses_odd():
+    with pytest.raises(RuntimeError):
+        word_bytes(3, 4096)
+
+
+def test_launch_shape():
+    assert launch_shape(1, 132) == (1, 256)
+    assert launch_shape(256 * 10 + 1, 132) == (11, 256)
+    assert launch_shape(10**9, 132) == (132 * 32, 256)
+
+
+def test_kernel_source_defines_every_word():
+    for w in ("w2_t", "w4_t", "w16_t"):
+        for op in ("gather", "scatter"):
+            assert f"STPIPE_KERNELS({w})" in KERNEL_SOURCE and op in KERNEL_SOURCE
+
+
+def _emulate(words_host, ids, words):
+    """Pure-numpy run of the kernels' index arithmetic (flattened grid-stride loop)."""
+    total = len(ids) * words
+    out = np.empty(total, dtype=words_host.dtype)
+    k = np.arange(total)
+    row = k // words
+    w = k - row * words
+    out[k] = words_host[ids[row] * words + w]
+    return out
+
+
+@pytest.mark.parametrize("dim", [1, 3, 8, 17, 128, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["f32", "f16", "bf16"])
+def test_kernel_index_arithmetic(dim, dtype):
+    table = torch.randn(50, dim).to(dtype)
+    rb = row_bytes(table)
+    w = word_bytes(rb, 4096, 4096)
+    np_word = {2: np.uint16, 4: np.uint32, 16: np.dtype((np.void, 16))}[w]
+    flat = table.view(torch.uint8).numpy().reshape(-1).view(np_word)
+    ids = np.array([7, 0, 49, 7, 3])
+    got = _emulate(flat, ids, rb // w).view(np.uint8).reshape(len(ids), rb)
+    assert np.array_equal(got, table[torch.from_numpy(ids)].view(torch.uint8).numpy())
+
+
+def test_index_batch_cpu_view_shares_memory():
+    host = np.array([4, 1, 9], dtype=np.int64)
+    b = IndexBatch(host=host)
+    assert len(b) == 3 and b.cpu(1).tolist() == [1, 9]
+    host[2] = 5
+    assert b.cpu().tolist() == [4, 1, 5]
+
+
+def test_torch_chunks_cover_batch_exactly():
+    from stpipe.kernels._torch import TorchBackend
+
+    be = TorchBackend(chunk_bytes=1000)
+    for n, rb in [(1, 4), (250, 4), (251, 4), (7, 4000), (0, 8)]:
+        chunks = be._chunks(n, rb)
+        assert sum(b - a for a, b in chunks) == n
+        assert all(c[1] == d[0] for c, d in zip(chunks, chunks[1:]))
+
+
+def test_auto_without_pinning_only_tries_torch():
+    auto = get_backend("auto")
+    assert [b.name for b in auto.candidates(pinned=False)] == ["torch"]
+    assert auto.candidates()[0].name == "torch"
+    key = auto.size_class("gather", torch.zeros(1000, 4), IndexBatch(np.arange(10)),
+                          torch.device("cuda", 0))
+    assert key[0] == "gather" and key[-1] is False
+
+
+def test_backends_tuple():
+    assert BACKENDS == ("auto", "torch", "cupy", "numba")

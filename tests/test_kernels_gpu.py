@@ -1,0 +1,204 @@
+"""GPU tests of HostTable's movement through every backend (run: ``pytest -m gpu``).
+
+Every test here is marked ``gpu`` and skips cleanly without CUDA; a backend whose
+package (CuPy, numba-cuda) is missing skips its cases.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stpipe import BackendUnavailableError
+from stpipe.host import HostTable
+from stpipe.kernels import IndexBatch, get_backend
+
+pytestmark = pytest.mark.gpu
+
+BACKENDS = ["cupy", "numba", "torch", "auto"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+DIMS = [1, 3, 8, 17, 128, 129, 1024]
+NUM_ROWS = 300
+
+
+def need(backend: str) -> None:
+    try:
+        get_backend(backend)
+    except BackendUnavailableError as exc:
+        pytest.skip(f"backend {backend} unavailable: {exc}")
+
+
+def random_bits(table: HostTable, seed: int) -> torch.Tensor:
+    """Fill the table with random bytes (NaN payloads included); returns a CPU copy."""
+    g = torch.Generator().manual_seed(seed)
+    raw = table.tensor().view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+    return table.tensor().clone()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+def id_cases(n: int):
+    rng = np.random.default_rng(n)
+    return {
+        "empty": np.array([], dtype=np.int64),
+        "one": np.array([n - 1]),
+        "all": np.arange(n),
+        "random": np.sort(rng.choice(n, n // 3, replace=False)),
+        "unsorted": rng.permutation(n)[: n // 2],
+    }
+
+
+@pytest.fixture(scope="module")
+def tables():
+    """One table per (backend, dtype, dim), reused across the id cases."""
+    made = {}
+    yield made
+    for t in made.values():
+        t.close()
+
+
+def get_table(tables, backend, dtype, dim):
+    key = (backend, dtype, dim)
+    if key not in tables:
+        tables[key] = HostTable(NUM_ROWS, dim, dtype, backend=backend)
+    return tables[key]
+
+
+@pytest.mark.parametrize("case", ["empty", "one", "all", "random", "unsorted"])
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_scatter_bit_exact(tables, backend, dtype, dim, case):
+    need(backend)
+    t = get_table(tables, backend, dtype, dim)
+    assert t.pinned and t.device.type == "cuda"
+    ref = random_bits(t, seed=dim)
+    ids = id_cases(NUM_ROWS)[case]
+    idx = torch.from_numpy(ids.astype(np.int64))
+    rb = dim * t.itemsize
+    # gather into NaN-poisoned output: every element must be overwritten
+    out = torch.full((len(ids), dim), float("nan"), dtype=dtype, device="cuda")
+    got = t.gather(ids, out=out)
+    assert got is out
+    torch.cuda.synchronize()
+    ref_rows = bits(ref).view(NUM_ROWS, rb)  # raw bytes: indexing never touches NaNs
+    want = ref_rows[idx].view(len(ids), rb)
+    assert torch.equal(bits(got).view(len(ids), rb), want)
+    # allocated output, ids given as a CUDA tensor
+    got2 = t.gather(idx.cuda())
+    assert got2.device.type == "cuda" and torch.equal(bits(got2).view(len(ids), rb), want)
+    # scatter new bits, then read back through the host view and through gather
+    g = torch.Generator().manual_seed(dim + 1)
+    new = torch.randint(0, 256, (len(ids), dim * t.itemsize), generator=g, dtype=torch.uint8)
+    new = new.view(dtype).cuda()
+    t.scatter(ids, new)
+    ref_rows[idx] = bits(new).view(len(ids), rb)
+    assert torch.equal(bits(t.tensor()).view(NUM_ROWS, rb), ref_rows)
+    assert torch.equal(bits(t.gather(ids)), bits(new))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_ordering(backend):
+    """Scatter on one stream, gather on another with no caller sync: sees the write;
+    gather then scatter of the same rows: the gather keeps the old values."""
+    need(backend)
+    n, dim = 200_000, 64
+    t = HostTable(n, dim, backend=backend).zeros_()
+    ids = np.arange(0, n, 2)
+    s1, s2, s3 = (torch.cuda.Stream() for _ in range(3))
+    for it in range(3):
+        with torch.cuda.stream(s1):
+            rows = torch.full((len(ids), dim), float(it + 1), device="cuda")
+        t.scatter(ids, rows, stream=s1)
+        del rows  # kept alive by record_stream until the copy is done
+        got = t.gather(ids, stream=s2)
+        s3.wait_stream(s2)
+        got.record_stream(s3)
+        with torch.cuda.stream(s3):
+            total = got.sum()
+        s3.synchronize()
+        assert total.item() == float(it + 1) * len(ids) * dim
+    # write-after-read: a gather issued before a scatter returns the old rows
+    before = t.gather(ids, stream=s1)
+    t.scatter(ids, torch.full((len(ids), dim), -1.0, device="cuda"), stream=s2)
+    torch.cuda.synchronize()
+    assert torch.all(before == 3.0)
+    assert torch.all(t.tensor()[ids] == -1.0)
+    t.close()
+
+
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_hybrid_split(backend, fraction):
+    need(backend)
+    from stpipe.kernels._auto import HybridBackend
+
+    t = HostTable(1000, 33, torch.float16, backend=backend)
+    ref = random_bits(t, 3)
+    hyb = HybridBackend(get_backend(backend), get_backend("torch"), fraction)
+    ids = np.sort(np.random.default_rng(0).choice(1000, 401, replace=False))
+    s = torch.cuda.current_stream()
+    out = torch.full((401, 33), float("nan"), dtype=torch.float16, device="cuda")
+    hyb.gather(t.tensor(), IndexBatch(ids, is_sorted=True), out, s)
+    torch.cuda.synchronize()
+    want = bits(ref).view(1000, -1)[torch.from_numpy(ids)]
+    assert torch.equal(bits(out).view(401, -1), want)
+    new = torch.randn(401, 33, dtype=torch.float16, device="cuda")
+    hyb.scatter(t.tensor(), IndexBatch(ids, is_sorted=True), new, s)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(t.tensor()[ids]), bits(new))
+    t.close()
+
+
+def test_auto_records_a_decision():
+    auto = get_backend("auto")
+    t = HostTable(5000, 16, backend="auto").zeros_()
+    t.gather(np.arange(0, 5000, 3))
+    t.scatter(np.arange(0, 5000, 3), torch.ones(1667, 16, device="cuda"))
+    assert torch.all(t.tensor()[::3] == 1) and torch.all(t.tensor()[1::3] == 0)
+    ops = {key[0] for key in auto.decisions}
+    assert {"gather", "scatter"} <= ops
+    t.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_memory_outside_a_step():
+    """A pinned table uses host memory at exact size and no GPU memory."""
+    torch.cuda.synchronize()
+    gpu0, rss0 = torch.cuda.memory_allocated(), _rss()
+    t = HostTable(1_000_000, 128)  # 512 MB, page-locked
+    rss = _rss() - rss0
+    assert t.pinned
+    assert torch.cuda.memory_allocated() == gpu0
+    assert 0.95 * t.nbytes <= rss <= 1.05 * t.nbytes, (rss, t.nbytes)
+    t.zeros_()
+    assert torch.cuda.memory_allocated() == gpu0
+    t.close()
+
+
+def test_wrapped_numpy_is_registered_and_unregistered():
+    arr = np.random.default_rng(0).standard_normal((777, 5)).astype(np.float32)
+    for _ in range(2):  # registering the same memory twice must work after close()
+        t = HostTable.from_numpy(arr, copy=False, backend="torch")
+        assert t.pinned
+        assert np.array_equal(t.gather([3, 776]).cpu().numpy(), arr[[3, 776]])
+        t.close()
+
+
+def test_bad_device_inputs():
+    t = HostTable(10, 4)
+    with pytest.raises(ValueError, match="expected rows on cuda"):
+        t.scatter([1], torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="expected out on cuda"):
+        t.gather([1], out=torch.zeros(1, 4))
+    with pytest.raises(TypeError, match="stream"):
+        t.gather([1], stream=object())
+    t.close()
