@@ -13,6 +13,8 @@ import importlib.metadata
 import os
 import platform
 import sys
+import time
+import importlib.util
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["main", "build_parser", "info_lines"]
@@ -203,8 +205,314 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+#: Default cap on corpus words read by ``demo`` (keeps a CPU run under 2 minutes).
+DEMO_MAX_TOKENS = 2_000_000
+
+
 def _add_more_commands(sub) -> None:
-    """Hook for ``bench`` and ``demo`` (defined below)."""
+    """``bench`` and ``demo``."""
+    p_bench = sub.add_parser(
+        "bench", help="gather/scatter bandwidth of the transfer paths on this machine",
+        description="Measure host-table gather/scatter bandwidth (GB/s) of naive indexing, "
+        "index_select with staging, and each usable stpipe backend against the contiguous "
+        "copy limit, for several batch sizes, and print a table with ratios. CPU-only "
+        "machines compare the torch backend with naive indexing.",
+    )
+    p_bench.add_argument("--quick", action="store_true",
+                         help="small table, two batch sizes, few repeats (seconds)")
+    p_bench.add_argument("--rows", type=_positive_int, default=None,
+                         help="table rows (default 2,000,000 on GPU, 1,000,000 on CPU; "
+                         "--quick: 200,000)")
+    p_bench.add_argument("--dim", type=_positive_int, default=128, help="row width (default 128)")
+    p_bench.add_argument("--batch", type=_positive_int, action="append", default=None,
+                         metavar="N", help="batch size in rows (repeat for several)")
+    p_bench.add_argument("--repeats", type=_positive_int, default=None,
+                         help="timed repeats per point (default 5, --quick 2)")
+    p_bench.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                         help="default: cuda when available")
+    p_bench.add_argument("--plot", metavar="FILE.png", default=None,
+                         help="draw GB/s vs batch size (needs matplotlib)")
+    p_bench.add_argument("--seed", type=int, default=0, help="seed of the random ids")
+    p_bench.set_defaults(func=_cmd_bench)
+
+    p_demo = sub.add_parser(
+        "demo", help="train word2vec (skip-gram, negative sampling) through host tables",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a skip-gram word2vec model with negative sampling and fastText "
+        "character n-gram buckets; the input table (vocabulary + buckets rows), the output "
+        "table and the optimizer state live in stpipe host tables and train through the "
+        "prefetch pipeline. The default corpus is the source of the installed Python "
+        "standard library. At the end it prints nearest neighbours of probe words and the "
+        "throughput. By default only the first --max-tokens words (files in a seeded random "
+        "order) are read, so a CPU-only run finishes in about 2 minutes on 2 cores; pass "
+        "--max-tokens 0 for the whole corpus.",
+    )
+    p_demo.add_argument("--corpus", metavar="PATH", default=None,
+                        help="text file or folder (default: the standard library's *.py files)")
+    p_demo.add_argument("--max-tokens", type=_nonneg_int, default=DEMO_MAX_TOKENS,
+                        help="read at most this many corpus words (0: no cap)")
+    p_demo.add_argument("--epochs", type=_positive_int, default=1, help="passes over the corpus")
+    p_demo.add_argument("--dim", type=_positive_int, default=64, help="embedding dimension")
+    p_demo.add_argument("--buckets", type=_nonneg_int, default=2_000_000,
+                        help="hashed character n-gram rows (0: words only)")
+    p_demo.add_argument("--window", type=_positive_int, default=5, help="largest context window")
+    p_demo.add_argument("--negatives", type=_positive_int, default=5,
+                        help="noise words per (centre, context) pair")
+    p_demo.add_argument("--batch", type=_positive_int, default=1024, help="centre words per step")
+    p_demo.add_argument("--min-count", type=_positive_int, default=5,
+                        help="drop words rarer than this")
+    p_demo.add_argument("--subsample", type=_nonneg_float, default=1e-4,
+                        help="frequent-word subsampling threshold (0: off)")
+    p_demo.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam",
+                        help="dense optimizer run by the pipeline on each step's rows")
+    p_demo.add_argument("--lr", type=_positive_float, default=None,
+                        help="learning rate (default: adam 0.03, adagrad 0.2, sgd 0.05)")
+    p_demo.add_argument("--seed", type=int, default=0, help="seed of everything random")
+    p_demo.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the working rows train (default: cuda when available)")
+    p_demo.add_argument("--engine", choices=("stpipe", "torch"), default="stpipe",
+                        help="stpipe: host tables + pipeline; torch: the nn.Embedding(sparse=True) "
+                        "+ sparse optimizer reference, whole tables on --device")
+    p_demo.add_argument("--out", metavar="PATH", default=None,
+                        help="save word vectors and vocabulary to this .npz (written atomically)")
+    p_demo.add_argument("--load", metavar="PATH", default=None,
+                        help="skip training: load vectors saved with --out and print neighbours")
+    p_demo.add_argument("--probe", metavar="WORD", action="append", default=None,
+                        help="word whose neighbours to print (repeatable; default: "
+                        "append socket thread encode sort exception)")
+    p_demo.add_argument("--neighbours", type=_positive_int, default=8, metavar="K",
+                        help="neighbours printed per probe word")
+    p_demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_demo.set_defaults(func=_cmd_demo)
+
+
+# --------------------------------------------------------------------------- demo
+
+def _rss_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _resolve_device(name: Optional[str]) -> str:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if name is None:
+        return "cuda" if cuda else "cpu"
+    if name == "cuda" and not cuda:
+        raise CliError("--device cuda was given but CUDA is not available here "
+                       "(see `python -m stpipe info`); use --device cpu")
+    return name
+
+
+def _check_memory(need: int, what: str) -> None:
+    avail = available_ram()
+    if avail is not None and need > 0.9 * avail:
+        raise CliError(
+            f"{what} needs about {fmt_bytes(need)} of host memory but only {fmt_bytes(avail)} "
+            "is available (MemAvailable); lower --buckets or --dim, or use --optimizer sgd "
+            "(no per-row state)"
+        )
+
+
+def _check_out_path(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise CliError(f"--out {path!r} is a folder; give a file name such as vectors.npz")
+    if not os.path.isdir(folder):
+        raise CliError(f"--out {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"--out {path!r}: folder {folder!r} is not writable")
+
+
+def _print_neighbours(words, vectors, probes, k, oov_vector=None) -> None:
+    from . import _demo
+
+    index = {w: i for i, w in enumerate(words)}
+    print(f"nearest neighbours (cosine, {len(words):,} words):")
+    for probe in probes:
+        p = probe.lower()
+        if p in index:
+            i = index[p]
+            got = _demo.neighbours(vectors, words, vectors[i], k, exclude=[i])
+            tag = ""
+        else:
+            q = oov_vector(p) if oov_vector is not None else None
+            if q is None:
+                print(f"  {probe:>12}: not in the vocabulary")
+                continue
+            got = _demo.neighbours(vectors, words, q, k)
+            tag = " (out of vocabulary: from its n-grams)"
+        text = ", ".join(f"{w} {s:.2f}" for w, s in got)
+        print(f"  {probe:>12}: {text}{tag}")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import _corpus, _demo
+
+    probes = args.probe or list(_demo.PROBES)
+    if args.load is not None:
+        try:
+            words, vectors, _ = _demo.load_vectors(args.load)
+        except _corpus.CorpusError as exc:
+            raise CliError(str(exc)) from None
+        _print_neighbours(words, vectors, probes, args.neighbours)
+        return 0
+
+    device = _resolve_device(args.device)
+    if args.out is not None:
+        _check_out_path(args.out)
+    cfg = _demo.DemoConfig(
+        dim=args.dim, window=args.window, negatives=args.negatives, batch=args.batch,
+        epochs=args.epochs, lr=args.lr, optimizer=args.optimizer, subsample=args.subsample,
+        min_count=args.min_count, buckets=args.buckets, seed=args.seed, device=device,
+        engine=args.engine,
+    )
+    if cfg.engine == "stpipe" and not _demo.stpipe_available():
+        raise CliError("stpipe.HostEmbedding / stpipe.Pipeline are not importable; "
+                       "use --engine torch")
+    # a first memory check before reading anything: the buckets alone
+    _check_memory(_demo.table_bytes(cfg.buckets, cfg.dim, cfg.optimizer),
+                  f"an input table of {cfg.buckets:,} buckets x {cfg.dim}")
+    t0 = time.perf_counter()
+    try:
+        corpus = _corpus.read_corpus(args.corpus, max_tokens=args.max_tokens or None,
+                                     seed=cfg.seed)
+        vocab = _corpus.build_vocab(corpus, cfg.min_count)
+    except _corpus.CorpusError as exc:
+        raise CliError(str(exc)) from None
+    need = (_demo.table_bytes(len(vocab) + cfg.buckets, cfg.dim, cfg.optimizer)
+            + _demo.table_bytes(len(vocab), cfg.dim, cfg.optimizer))
+    _check_memory(need, f"tables of {len(vocab) + cfg.buckets:,} + {len(vocab):,} rows x {cfg.dim}"
+                  f" with {cfg.optimizer} state")
+    data = _demo.SkipGramData(corpus, vocab, cfg)
+    src = args.corpus or f"Python standard library ({_corpus.default_corpus_root()})"
+    capped = (f", capped by --max-tokens {args.max_tokens:,}"
+              if args.max_tokens and corpus.files_total > len(corpus.files) else "")
+    print(f"corpus: {src}: {len(corpus):,} words from {len(corpus.files):,} of "
+          f"{corpus.files_total:,} files{capped} (read in {time.perf_counter() - t0:.1f} s)")
+    print(f"model: vocabulary {len(vocab):,} words (min count {cfg.min_count}), "
+          f"{cfg.buckets:,} n-gram buckets; input table {data.in_rows:,} x {cfg.dim}, output "
+          f"table {data.out_rows:,} x {cfg.dim}; {cfg.optimizer} (lr {cfg.learning_rate:g}); "
+          f"host tables + state {fmt_bytes(need)}; device {device}; engine {cfg.engine}")
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(data.ids) * cfg.epochs, unit="tok", unit_scale=True,
+                   dynamic_ncols=True, desc="training", file=sys.stderr)
+    state = {"loss": None}
+
+    def progress(res, batch) -> None:
+        loss = res.losses[-1]
+        state["loss"] = loss if state["loss"] is None else 0.98 * state["loss"] + 0.02 * loss
+        if bar is not None:
+            bar.update(batch.tokens)
+            if res.steps % 10 == 1:
+                post = {"loss": f"{state['loss']:.3f}", "host": fmt_bytes(_rss_bytes())}
+                if device == "cuda":
+                    import torch
+
+                    post["gpu"] = fmt_bytes(torch.cuda.memory_allocated())
+                bar.set_postfix(post, refresh=False)
+
+    try:
+        res = _demo.train(data, cfg, progress)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        print("\nstpipe demo: interrupted; training stopped, nothing saved"
+              + (f" ({args.out!r} untouched)" if args.out else ""), file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    vectors = res.vectors()
+    loss_tail = res.losses[-50:] or [float("nan")]
+    print(f"trained {res.tokens:,} corpus tokens ({res.centres:,} centre words after "
+          f"subsampling, {res.pairs:,} pairs, {res.steps:,} steps) in {res.seconds:.1f} s: "
+          f"{res.tokens_per_s:,.0f} tokens/s, {res.pairs / max(res.seconds, 1e-9):,.0f} pairs/s; "
+          f"final loss {sum(loss_tail) / len(loss_tail):.3f} per pair")
+
+    def oov_vector(word):
+        rows = _corpus.oov_rows(word, cfg.buckets, len(vocab), cfg.minn, cfg.maxn)
+        if rows.size == 0:
+            return None
+        return res.in_table[rows].mean(0).numpy()
+
+    _print_neighbours(vocab.words, vectors, probes, args.neighbours, oov_vector)
+    if args.out is not None:
+        _demo.save_vectors(args.out, vocab.words, vectors, dim=cfg.dim, buckets=cfg.buckets,
+                           seed=cfg.seed, optimizer=cfg.optimizer)
+        print(f"saved {len(vocab):,} word vectors to {args.out} "
+              f"(reload: python -m stpipe demo --load {args.out})")
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import _bench
+
+    device = _resolve_device(args.device)
+    if args.plot is not None:
+        _check_out_path(args.plot)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("--plot needs matplotlib, which is not installed "
+                           "(pip install matplotlib, or pip install -e '.[bench]')")
+    cfg = _bench.BenchConfig.make(device=device, quick=args.quick, rows=args.rows, dim=args.dim,
+                                  batches=args.batch, repeats=args.repeats, seed=args.seed)
+    _check_memory(cfg.table_bytes * 2, f"a benchmark table of {cfg.rows:,} x {cfg.dim}")
+    results = _bench.run(cfg, log=lambda s: print(s, file=sys.stderr))
+    print(_bench.format_table(results, cfg))
+    if args.plot is not None:
+        _bench.plot(results, cfg, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
