@@ -283,13 +283,18 @@ class _TensorStore:
         _copy_chunked(self.t, src)
 
     # movement
-    def gather(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        rows = self.t.index_select(0, _ids_tensor(ids, self.t.device))
-        return _to_device(rows, device)
+    def gather(self, ids: np.ndarray, device: torch.device,
+               ids_dev: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``table[ids]`` on ``device``; ``ids_dev``: the same ids already on the table's
+        device (saves an upload)."""
+        idx = ids_dev if ids_dev is not None else _ids_tensor(ids, self.t.device)
+        return _to_device(self.t.index_select(0, idx), device)
 
-    def scatter(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+    def scatter(self, ids: np.ndarray, rows: torch.Tensor,
+                ids_dev: Optional[torch.Tensor] = None) -> None:
         rows = rows.detach().to(device=self.t.device, dtype=self.t.dtype)
-        self.t.index_copy_(0, _ids_tensor(ids, self.t.device), rows)
+        idx = ids_dev if ids_dev is not None else _ids_tensor(ids, self.t.device)
+        self.t.index_copy_(0, idx, rows)
 
     # whole table
     def cpu_tensor(self) -> torch.Tensor:
@@ -353,11 +358,14 @@ class _HostStore:
         dev = self.table.device
         return torch.cuda.current_stream(dev) if dev.type == "cuda" else None
 
-    def gather(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    def gather(self, ids: np.ndarray, device: torch.device,
+               ids_dev: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # host ids: the table validates them on the host without a device round trip
         rows = self.table.gather(ids, stream=self._stream())
         return _to_device(rows, device)
 
-    def scatter(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+    def scatter(self, ids: np.ndarray, rows: torch.Tensor,
+                ids_dev: Optional[torch.Tensor] = None) -> None:
         rows = rows.detach()
         if rows.device != self.table.device or rows.dtype != self.table.dtype:
             rows = rows.to(device=self.table.device, dtype=self.table.dtype)
@@ -602,19 +610,27 @@ class _Layout:
         key = (name, str(device))
         got = self._dev.get(key)
         if got is None:
-            src = {"inverse": self.inverse, "last": self.last_pos(), "ids": self.ids}[name]
+            src = {"inverse": self.inverse, "last": self.last_pos(), "ids": self.ids,
+                   "unique": self.unique}[name]
             got = _ids_tensor(src, device)
             self._dev[key] = got
         return got
 
+    def _dev_ids(self, store: Any, name: str) -> Optional[torch.Tensor]:
+        """Cached device ids for a GPU-resident store (one upload per batch, not per table)."""
+        if isinstance(store, _TensorStore) and store.device.type == "cuda":
+            return self.on(name, store.device)
+        return None
+
     def gather(self, store: Any, device: torch.device) -> torch.Tensor:
         """The rows in this layout, on ``device``."""
         if self.compact or self.identity:
-            return store.gather(self.unique, device)
+            return store.gather(self.unique, device, self._dev_ids(store, "unique"))
         if store.sorted_helps:  # read host memory in address order, permute on device
             rows = store.gather(self.unique, device)
             return rows.index_select(0, self.on("inverse", rows.device))
-        return store.gather(self.ids.astype(np.int64, copy=False), device)
+        return store.gather(self.ids.astype(np.int64, copy=False), device,
+                            self._dev_ids(store, "ids"))
 
     def scatter(self, store: Any, rows: torch.Tensor) -> None:
         """Write rows of this layout back, one write per unique id."""
@@ -625,9 +641,9 @@ class _Layout:
                 "afterOptimizerStep must get the ids given to beforeForwardPass"
             )
         if self.compact or self.identity:
-            store.scatter(self.unique, rows)
+            store.scatter(self.unique, rows, self._dev_ids(store, "unique"))
         elif not self.has_dups and not store.sorted_helps:
-            store.scatter(self.ids.astype(np.int64, copy=False), rows)
+            store.scatter(self.ids.astype(np.int64, copy=False), rows, self._dev_ids(store, "ids"))
         else:
             store.scatter(self.unique, rows.index_select(0, self.on("last", rows.device)))
 

@@ -1,0 +1,202 @@
+"""GPU tests of stpipe.compat.speedtorch, and a side-by-side check against SpeedTorch 0.1.6.
+
+Every test is marked ``gpu`` (skipped without CUDA). The side-by-side tests also need the
+SpeedTorch wheel (and CuPy, which it imports); they skip cleanly where it is missing.
+SpeedTorch's optimizer switchers fail on current PyTorch, so the side-by-side training runs
+plain SGD (model switchers only), on duplicate-free batches (where SpeedTorch is right).
+
+The device-parametrised tests of ``test_compat_speedtorch.py`` (the skip-gram pattern for
+every optimizer, against the row-restricted oracle) run on CUDA in the same session.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import stpipe.compat.speedtorch as SpeedTorch
+from test_compat_speedtorch import SkipGram, make_batches, oracle, assert_same, run_pattern
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpeedTorch.CupyFallbackWarning)
+        yield
+
+
+@pytest.fixture
+def speedtorch():
+    """The original package (needs CuPy)."""
+    return pytest.importorskip("SpeedTorch")
+
+
+# ---------------------------------------------------------------------------------------
+# stpipe alone
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_no_device_wide_sync_per_swap(monkeypatch, cpupinn):
+    """Swaps order themselves with streams/events; torch.cuda.synchronize is never called."""
+    model = SkipGram(8, 8 * 5, 16).cuda()
+    us = SpeedTorch.ModelFactory(model.u_embeddings, 1000, 16, CPUPinn=cpupinn)
+    vs = SpeedTorch.ModelFactory(model.v_embeddings, 2000, 16, CPUPinn=cpupinn)
+    us.uniformDistributionInit(-0.1, 0.1)
+    vs.uniformDistributionInit(-0.1, 0.1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    uo = SpeedTorch.OptimizerFactory(opt, 1000, 16, model, "u_embeddings", CPUPinn=cpupinn)
+    vo = SpeedTorch.OptimizerFactory(opt, 2000, 16, model, "v_embeddings", CPUPinn=cpupinn)
+    uo.optInit()
+    vo.optInit()
+    ud = torch.as_tensor(us.variableTransformer(8, 1), device="cuda")
+    pd, nd = (torch.as_tensor(a, device="cuda") for a in vs.variableTransformer(8, 1, 4))
+    rng = np.random.default_rng(0)
+
+    def boom(*a, **k):
+        raise AssertionError("torch.cuda.synchronize() called during a swap")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    for _ in range(5):
+        u = rng.integers(0, 1000, (8, 1))
+        v, n = rng.integers(0, 50, (8, 1)), rng.integers(0, 2000, (8, 4))
+        for s, a in ((us, (u,)), (vs, (v, n)), (uo, (u,)), (vo, (v, n))):
+            s.beforeForwardPass(*a)
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for s, a in ((us, (u,)), (vs, (v, n)), (uo, (u,)), (vo, (v, n))):
+            s.afterOptimizerStep(*a)
+    monkeypatch.undo()
+    assert np.isfinite(vs.getNumpyVersion()).all()
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_rows_go_to_the_model_device(cpupinn):
+    gpu_emb = torch.nn.Embedding(3, 4).cuda()
+    mf = SpeedTorch.ModelFactory(gpu_emb, 100, 4, CPUPinn=cpupinn)
+    mf.uniformDistributionInit(-1, 1)
+    mf.beforeForwardPass(np.array([1, 50, 99]))
+    assert gpu_emb.weight.device.type == "cuda"
+    if cpupinn:
+        assert mf._store.table.pinned and mf._store.table.device.type == "cuda"
+    else:
+        assert mf._store.device.type == "cuda"           # SpeedTorch's GPU-resident table
+    cpu_emb = torch.nn.Embedding(3, 4)
+    mf2 = SpeedTorch.ModelFactory(cpu_emb, 100, 4, CPUPinn=cpupinn)
+    mf2.uniformDistributionInit(-1, 1)
+    mf2.beforeForwardPass(np.array([1, 50, 99]))
+    assert cpu_emb.weight.device.type == "cpu"
+    np.testing.assert_array_equal(cpu_emb.weight.detach().numpy(), mf2.getNumpyVersion()[[1, 50, 99]])
+
+
+@pytest.mark.parametrize("kind", ["ModelFactory", "ModelFactory-pinned", "Pytorch-cuda", "Pytorch-cpu-pinned"])
+@pytest.mark.parametrize("opt_name", ["Adam", "Adagrad", "Rprop", "ASGD", "RMSprop"])
+def test_pattern_gpu_every_placement(kind, opt_name):
+    got = run_pattern("cuda", opt_name, kind=kind, dups=True, steps=6, n_u=500, n_v=800)
+    want = oracle("cuda", opt_name, got["init_u"], got["init_v"], got["batches"])
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_datagadget_on_cuda(tmp_path, cpupinn):
+    data = np.random.default_rng(0).standard_normal((1000, 32)).astype(np.float32)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    g.gadgetInit()
+    idx = np.random.default_rng(1).integers(0, 1000, 300)
+    got = g.getData(idx)
+    assert got.is_cuda
+    np.testing.assert_array_equal(got.cpu().numpy(), data[idx])
+    rows = torch.randn(300, 32, device="cuda")
+    uniq = np.random.default_rng(2).permutation(1000)[:300]
+    g.insertData(rows, uniq)
+    data[uniq] = rows.cpu().numpy()
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+
+
+# ---------------------------------------------------------------------------------------
+# side by side with SpeedTorch 0.1.6 (duplicate-free batches)
+# ---------------------------------------------------------------------------------------
+def _train_sgd(st_mod, table_u, table_v, tmp_path, tag, cpupinn, batches, B, P, N, dim, pytorch=False):
+    """The speedtorch-api.md loop with SGD, through `st_mod`'s model switchers."""
+    torch.manual_seed(0)
+    model = SkipGram(B, B * (P + N), dim).cuda()
+    np.save(tmp_path / f"{tag}_u.npy", table_u)
+    np.save(tmp_path / f"{tag}_v.npy", table_v)
+    if pytorch:
+        us = st_mod.PytorchModelFactory(model.u_embeddings, table_u.shape[0], dim)
+        vs = st_mod.PytorchModelFactory(model.v_embeddings, table_v.shape[0], dim)
+        torch.save(torch.from_numpy(table_u).cuda(), tmp_path / f"{tag}_u.pt")
+        torch.save(torch.from_numpy(table_v).cuda(), tmp_path / f"{tag}_v.pt")
+        us.loadTorch(str(tmp_path / f"{tag}_u.pt"))
+        vs.loadTorch(str(tmp_path / f"{tag}_v.pt"))
+    else:
+        us = st_mod.ModelFactory(model.u_embeddings, table_u.shape[0], dim, CPUPinn=cpupinn)
+        vs = st_mod.ModelFactory(model.v_embeddings, table_v.shape[0], dim, CPUPinn=cpupinn)
+        us.loadCupy(str(tmp_path / f"{tag}_u.npy"))
+        vs.loadCupy(str(tmp_path / f"{tag}_v.npy"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ud = torch.as_tensor(us.variableTransformer(B, 1), device="cuda")
+    pd, nd = (torch.as_tensor(a, device="cuda") for a in vs.variableTransformer(B, P, N))
+    losses, weights = [], []
+    for u, v, n in batches:
+        us.beforeForwardPass(u)
+        vs.beforeForwardPass(v, n)
+        weights.append(model.v_embeddings.weight.detach().cpu().numpy().copy())
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        us.afterOptimizerStep(u)
+        vs.afterOptimizerStep(v, n)
+        losses.append(float(loss.detach()))
+    torch.cuda.synchronize()
+    return losses, weights, us.getNumpyVersion(), (vs.getNumpyVersion() if not pytorch else vs.getNumpyVersion())
+
+
+@pytest.mark.parametrize("variant", ["ModelFactory", "ModelFactory-pinned", "PytorchModelFactory"])
+def test_side_by_side_with_speedtorch(speedtorch, tmp_path, variant):
+    rng = np.random.default_rng(0)
+    B, P, N, dim = 16, 2, 5, 32
+    table_u = rng.uniform(-0.5, 0.5, (3000, dim)).astype(np.float32)
+    table_v = rng.uniform(-0.5, 0.5, (5000, dim)).astype(np.float32)
+    batches = make_batches(rng, 8, B, P, N, 3000, 5000, dups=False)
+    kw = dict(cpupinn=variant.endswith("pinned"), batches=batches, B=B, P=P, N=N, dim=dim,
+              pytorch=variant == "PytorchModelFactory")
+    ref = _train_sgd(speedtorch, table_u, table_v, tmp_path, "st", **kw)
+    got = _train_sgd(SpeedTorch, table_u, table_v, tmp_path, "sp", **kw)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6, atol=1e-6)        # losses
+    for a, b in zip(got[1], ref[1]):                                         # gathered rows
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(got[2], ref[2], rtol=1e-6, atol=1e-7)         # written back
+    np.testing.assert_allclose(got[3], ref[3], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_datagadget_side_by_side_and_files_readable_by_both(speedtorch, tmp_path, cpupinn):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((4000, 64)).astype(np.float32)
+    np.save(tmp_path / "d.npy", data)
+    theirs = speedtorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    ours = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    theirs.gadgetInit()
+    ours.gadgetInit()
+    idx = rng.permutation(4000)[:1000]
+    a = theirs.getData(cupy.asarray(idx))
+    b = ours.getData(idx)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    rows = torch.randn(1000, 64, device="cuda")
+    theirs.insertData(rows, cupy.asarray(idx))
+    ours.insertData(rows, idx)
+    np.testing.assert_array_equal(ours.getNumpyVersion(), theirs.getNumpyVersion())
+    ours.saveCupy(str(tmp_path / "ours"))
+    theirs.saveCupy(str(tmp_path / "theirs"))
+    theirs.loadCupy(str(tmp_path / "ours.npy"))      # SpeedTorch reads stpipe's file
+    ours.loadCupy(str(tmp_path / "theirs.npy"))      # and stpipe reads SpeedTorch's
+    np.testing.assert_array_equal(ours.getNumpyVersion(), theirs.getNumpyVersion())
