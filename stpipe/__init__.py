@@ -15,12 +15,22 @@ from ._errors import (
     StpipeTypeError,
     StpipeValueError,
 )
+from .embedding import HostEmbedding
+from .host import HostTable
+from .loader import Prefetcher, prefetch
+from .pipeline import Pipeline, Step
 from .planner import Plan, overlap, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "HostTable",
+    "HostEmbedding",
+    "Pipeline",
+    "Step",
+    "prefetch",
+    "Prefetcher",
     "Plan",
     "plan",
     "overlap",
