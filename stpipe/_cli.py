@@ -186,6 +186,15 @@ class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose errors name the subcommand (argparse's own format)."""
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` only where there is a meaningful default."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m stpipe`` argument parser."""
     parser = _Parser(
@@ -277,7 +286,7 @@ def _add_more_commands(sub) -> None:
 
     p_demo = sub.add_parser(
         "demo", help="train word2vec (skip-gram, negative sampling) through host tables",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Defaults,
         description="Train a skip-gram word2vec model with negative sampling and fastText "
         "character n-gram buckets; the input table (vocabulary + buckets rows), the output "
         "table and the optimizer state live in stpipe host tables and train through the "
