@@ -22,7 +22,7 @@ Algorithm of :func:`plan_unchecked` for ``n`` ids over ``num_rows`` rows:
 """
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 import numpy as np
 
@@ -135,36 +135,142 @@ cdef inline void _radix_sort_pairs(uint64_t* keys, int64_t* vals, uint64_t* tmp_
             vals[i] = src_v[i]
 
 
-cdef inline Py_ssize_t _radix_emit(uint64_t* a, uint64_t* b, Py_ssize_t m, Py_ssize_t* hist,
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <stdlib.h>
+    #include <stdint.h>
+    /* Per-thread scratch of the planner, reused across calls so that a call does no
+       malloc/calloc and touches no fresh pages. cnt[:wcap + 8] and bits[:wcap / 64 + 1]
+       are all zero between calls (a call clears only what it touched). */
+    typedef struct {
+        int32_t *cnt; uint64_t *bits; int64_t wcap;
+        uint64_t *a, *b; int64_t *uk, *uc; int64_t ncap;
+        int32_t *hist;
+    } stp_scratch;
+    static pthread_key_t stp_key;
+    static pthread_once_t stp_once = PTHREAD_ONCE_INIT;
+    static int stp_key_ok = 0;
+    static void stp_scratch_free_big(stp_scratch *s) {
+        free(s->a); free(s->b); free(s->uk); free(s->uc);
+        s->a = s->b = NULL; s->uk = s->uc = NULL; s->ncap = 0;
+    }
+    static void stp_scratch_free(void *p) {
+        stp_scratch *s = (stp_scratch *)p;
+        if (!s) return;
+        free(s->cnt); free(s->bits); free(s->hist);
+        stp_scratch_free_big(s);
+        free(s);
+    }
+    static void stp_make_key(void) { stp_key_ok = pthread_key_create(&stp_key, stp_scratch_free) == 0; }
+    /* This thread's scratch with room for a window of w rows and a batch of n ids, or NULL. */
+    static stp_scratch *stp_scratch_get(int64_t w, int64_t n) {
+        stp_scratch *s;
+        int64_t cap;
+        pthread_once(&stp_once, stp_make_key);
+        if (!stp_key_ok) return NULL;
+        s = (stp_scratch *)pthread_getspecific(stp_key);
+        if (!s) {
+            s = (stp_scratch *)calloc(1, sizeof(stp_scratch));
+            if (!s) return NULL;
+            s->hist = (int32_t *)malloc(4 * 4096 * sizeof(int32_t));
+            if (!s->hist || pthread_setspecific(stp_key, s) != 0) { free(s->hist); free(s); return NULL; }
+        }
+        if (s->wcap < w) {
+            cap = 65536;
+            while (cap < w) cap <<= 1;
+            free(s->cnt); free(s->bits);
+            s->cnt = (int32_t *)calloc((size_t)cap + 8, sizeof(int32_t));
+            s->bits = (uint64_t *)calloc((size_t)(cap >> 6) + 1, sizeof(uint64_t));
+            s->wcap = (s->cnt && s->bits) ? cap : 0;
+            if (!s->wcap) { free(s->cnt); free(s->bits); s->cnt = NULL; s->bits = NULL; return NULL; }
+        }
+        if (s->ncap < n) {
+            cap = 1024;
+            while (cap < n) cap <<= 1;
+            stp_scratch_free_big(s);
+            s->a = (uint64_t *)malloc((size_t)cap * sizeof(uint64_t));
+            s->b = (uint64_t *)malloc((size_t)cap * sizeof(uint64_t));
+            s->uk = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+            s->uc = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+            if (!s->a || !s->b || !s->uk || !s->uc) { stp_scratch_free_big(s); return NULL; }
+            s->ncap = cap;
+        }
+        return s;
+    }
+    /* Batches above this many ids give their (n,) buffers back after the call. */
+    #define STP_KEEP_IDS ((int64_t)1 << 20)
+    static void stp_scratch_trim(stp_scratch *s) { if (s->ncap > STP_KEEP_IDS) stp_scratch_free_big(s); }
+    #define stp_ctz64(x) __builtin_ctzll(x)
+    #define stp_clz64(x) __builtin_clzll(x)
+    """
+    ctypedef struct stp_scratch:
+        int32_t* cnt
+        uint64_t* bits
+        int64_t wcap
+        uint64_t* a
+        uint64_t* b
+        int64_t* uk
+        int64_t* uc
+        int64_t ncap
+        int32_t* hist
+    stp_scratch* stp_scratch_get(int64_t w, int64_t n) noexcept nogil
+    void stp_scratch_trim(stp_scratch* s) noexcept nogil
+    int stp_ctz64(uint64_t x) noexcept nogil
+    int stp_clz64(uint64_t x) noexcept nogil
+
+
+cdef inline Py_ssize_t _radix_emit(uint64_t* a, uint64_t* b, Py_ssize_t m, int32_t* hist,
                                    int pos_bits, int key_bits, int64_t* uniq, int64_t* inverse,
                                    int64_t* counts, Py_ssize_t k) noexcept nogil:
-    """LSD-sort the ``m`` packed words ``id << pos_bits | position`` in ``a`` on their id
-    bits, then append their distinct ids to ``uniq``/``counts`` from slot ``k`` on and
-    write ``inverse`` at their positions. ``b`` is ``(m,)`` scratch; ``hist`` holds
-    ``8 * _RADIX`` counters. Returns the new number of distinct ids."""
-    cdef Py_ssize_t i, j, total, c
-    cdef int passes = (key_bits + _RADIX_BITS - 1) // _RADIX_BITS
-    cdef int digit, shift, p
+    """LSD-sort the ``m`` packed words ``id << pos_bits | position`` in ``a`` on their
+    ``key_bits`` id bits, then append their distinct ids to ``uniq``/``counts`` from slot
+    ``k`` on and write ``inverse`` at their positions. ``b`` is ``(m,)`` scratch; ``hist``
+    holds ``4 * 4096`` counters. Returns the new number of distinct ids."""
+    cdef Py_ssize_t i, j
+    cdef int32_t total, c
+    cdef int passes, digit, shift, p, max_digit
     cdef Py_ssize_t buckets
     cdef uint64_t w, pos_mask = (<uint64_t>1 << pos_bits) - 1, d, dmask
     cdef uint64_t* src = a
     cdef uint64_t* dst = b
     cdef uint64_t* swap
-    cdef Py_ssize_t* h
-    cdef int64_t key, prev = -1
+    cdef int32_t* h
+    cdef int64_t key, prev
+    cdef Py_ssize_t start = 0
     if m == 0:
         return k
+    # few wide passes for big inputs, narrow cache-friendly digits for small ones
+    max_digit = 12 if m >= 4096 else 8
+    passes = (key_bits + max_digit - 1) // max_digit
     if passes < 1:
         passes = 1
     digit = (key_bits + passes - 1) // passes
+    if digit < 1:
+        digit = 1
     buckets = (<Py_ssize_t>1) << digit
     dmask = <uint64_t>(buckets - 1)
-    memset(hist, 0, passes * buckets * sizeof(Py_ssize_t))
+    memset(hist, 0, passes * buckets * sizeof(int32_t))
     # one read fills every pass's histogram
-    for i in range(m):
-        w = a[i] >> pos_bits
-        for p in range(passes):
-            hist[p * buckets + ((w >> (p * digit)) & dmask)] += 1
+    if passes == 1:
+        for i in range(m):
+            hist[(a[i] >> pos_bits) & dmask] += 1
+    elif passes == 2:
+        for i in range(m):
+            w = a[i] >> pos_bits
+            hist[w & dmask] += 1
+            hist[buckets + ((w >> digit) & dmask)] += 1
+    elif passes == 3:
+        for i in range(m):
+            w = a[i] >> pos_bits
+            hist[w & dmask] += 1
+            hist[buckets + ((w >> digit) & dmask)] += 1
+            hist[2 * buckets + ((w >> (2 * digit)) & dmask)] += 1
+    else:
+        for i in range(m):
+            w = a[i] >> pos_bits
+            for p in range(passes):
+                hist[p * buckets + ((w >> (p * digit)) & dmask)] += 1
     for p in range(passes):
         h = hist + p * buckets
         shift = pos_bits + p * digit
@@ -181,50 +287,110 @@ cdef inline Py_ssize_t _radix_emit(uint64_t* a, uint64_t* b, Py_ssize_t m, Py_ss
             dst[h[d]] = w
             h[d] += 1
         swap = src; src = dst; dst = swap
+    # runs of equal ids: the count of a run is written once, when it ends
+    prev = <int64_t>(src[0] >> pos_bits)
     for i in range(m):
         w = src[i]
         key = <int64_t>(w >> pos_bits)
         if key != prev:
-            uniq[k] = key
-            counts[k] = 0
+            uniq[k] = prev
+            counts[k] = i - start
             k += 1
+            start = i
             prev = key
-        counts[k - 1] += 1
-        inverse[w & pos_mask] = k - 1
-    return k
+        inverse[w & pos_mask] = k
+    uniq[k] = prev
+    counts[k] = m - start
+    return k + 1
 
 
-cdef inline Py_ssize_t _plan_window(const index_t[::1] ids, int64_t window, int64_t* uniq,
-                                    int64_t* inverse, int64_t* counts, int64_t* cnt,
-                                    uint64_t* a, uint64_t* b, Py_ssize_t* hist, int pos_bits,
-                                    int key_bits) noexcept nogil:
-    """Counting plan for ids below ``window`` plus radix plan for the rest.
+cdef inline Py_ssize_t _plan_window(const index_t[::1] ids, uint64_t window, uint64_t num_rows,
+                                    int64_t* uniq, int64_t* inverse, int64_t* counts,
+                                    int32_t* cnt, uint64_t* bits, uint64_t* a, uint64_t* b,
+                                    int32_t* hist, int pos_bits) noexcept nogil:
+    """Counting plan for ids below ``window`` plus radix plan for the rest; range check.
 
-    ``cnt`` is a zeroed ``(window,)`` array. Ids below the window (the hot ids of skewed
-    batches: Zipf ranks, frequency-sorted vocabularies) cost one cache-resident
-    increment each; the rest are packed into ``a`` and radix sorted. Window ids all sort
-    before the others, so the two parts concatenate in order.
+    ``cnt`` (``(window + 8,)`` int32) and ``bits`` (one bit per window row) are zero on
+    entry and on return. Ids below the window (the hot ids of skewed batches: Zipf ranks,
+    frequency-sorted vocabularies) cost one cache-resident increment each, and the first
+    one of each row marks it in ``bits``, so only the marked rows are visited (in order)
+    to number them; the rest are packed into ``a`` and radix sorted on as many bits as
+    their largest id has. Window ids all sort before the others, so the two parts
+    concatenate in order. The range check rides along: window ids are valid by
+    construction, the others (negative ones included, as unsigned) must stay below
+    ``num_rows``. Returns the number of distinct ids, or -1 (nothing planned, scratch
+    clean) when an id is out of range.
     """
-    cdef Py_ssize_t i, n = ids.shape[0], k = 0, m = 0
-    cdef int64_t r, v
-    for i in range(n):
-        v = ids[i]
-        if v < window:
-            cnt[v] += 1
-        else:
-            a[m] = (<uint64_t>v << pos_bits) | <uint64_t>i
-            m += 1
-    for r in range(window):
-        if cnt[r]:
-            uniq[k] = r
-            counts[k] = cnt[r]
-            cnt[r] = k
-            k += 1
-    if k:
+    cdef Py_ssize_t i, n = ids.shape[0], k = 0, m = 0, nw, wi, j, nf = 0
+    cdef uint64_t v, hi = 0, word, idx
+    cdef int inside
+    cdef int32_t c
+    cdef int64_t r
+    cdef int key_bits
+    if window:
+        # branch-free (skewed batches mix both sides unpredictably): ids outside the
+        # window add 0 to one of 8 spare counters past it (spread so that their stores
+        # do not chain), and are written to ``a`` where only an outside id advances ``m``;
+        # a window row seen for the first time is noted in ``uniq``, marked in ``bits``
+        # afterwards
         for i in range(n):
-            v = ids[i]
-            if v < window:
-                inverse[i] = cnt[v]
+            v = <uint64_t>ids[i]
+            inside = v < window
+            idx = v if inside else window + (<uint64_t>i & 7)
+            c = cnt[idx]
+            cnt[idx] = c + inside
+            uniq[nf] = <int64_t>v
+            nf += (c == 0) & inside
+            a[m] = (v << pos_bits) | <uint64_t>i
+            m += 1 - inside
+            v = 0 if inside else v
+            hi = v if v > hi else hi
+        for j in range(nf):
+            v = <uint64_t>uniq[j]
+            bits[v >> 6] |= (<uint64_t>1) << (v & 63)
+    else:
+        for i in range(n):
+            v = <uint64_t>ids[i]
+            a[i] = (v << pos_bits) | <uint64_t>i
+            hi = v if v > hi else hi
+        m = n
+    nw = <Py_ssize_t>((window + 63) >> 6)
+    if hi >= num_rows:
+        # a bad id: leave the scratch as we found it
+        if m < n:
+            for wi in range(nw):
+                word = bits[wi]
+                if word:
+                    bits[wi] = 0
+                    while word:
+                        cnt[(wi << 6) + stp_ctz64(word)] = 0
+                        word &= word - 1
+        return -1
+    if m < n:
+        # number the marked window rows in order; cnt[r] becomes r's slot in uniq
+        for wi in range(nw):
+            word = bits[wi]
+            if word:
+                bits[wi] = 0
+                while word:
+                    r = (wi << 6) + stp_ctz64(word)
+                    uniq[k] = r
+                    counts[k] = cnt[r]
+                    cnt[r] = <int32_t>k
+                    k += 1
+                    word &= word - 1
+        if m == 0:
+            for i in range(n):
+                inverse[i] = cnt[ids[i]]
+        else:
+            # branch-free: outside ids read the zero at cnt[window]; the radix part
+            # overwrites their slots
+            for i in range(n):
+                v = <uint64_t>ids[i]
+                inverse[i] = cnt[v if v < window else window]
+        for j in range(k):
+            cnt[uniq[j]] = 0
+    key_bits = 64 - stp_clz64(hi) if hi else 1
     return _radix_emit(a, b, m, hist, pos_bits, key_bits, uniq, inverse, counts, k)
 
 
@@ -277,32 +443,24 @@ cdef inline Py_ssize_t _plan_hash(const index_t[::1] ids, int64_t num_rows, int6
     return k
 
 
-def plan_unchecked(const index_t[::1] ids not None, int64_t num_rows):
-    """Deduplicate and sort one batch of already validated ids.
+cdef enum:
+    _WINDOW = 65536  # counting window (rows) when the table is large against the batch
 
-    Args:
-        ids: ``(n,)`` int32 or int64, C-contiguous, every value in ``[0, num_rows)``.
-        num_rows: the table's row count (> 0).
 
-    Returns:
-        ``(unique, inverse, counts)``: ``(k,)`` int64 sorted distinct ids, ``(n,)`` int64
-        positions into ``unique``, ``(k,)`` int64 occurrence counts.
-    """
+cdef object _plan(const index_t[::1] ids, int64_t num_rows, bint check):
+    """Shared body of :func:`plan_unchecked` and :func:`plan_checked`."""
     cdef Py_ssize_t n = ids.shape[0]
-    cdef Py_ssize_t k = 0, cap = 16
+    cdef Py_ssize_t k = 0, cap = 16, bad = -1
     cdef int cap_bits = 4
-    # counting window: the whole table when it is small against the batch, else 2**16 rows
-    cdef int64_t window = num_rows if num_rows <= (4 * n if 4 * n > 65536 else 65536) else 65536
+    # counting window: the whole table when it is small against the batch, else _WINDOW
+    # rows (none for batches too long for int32 counters)
+    cdef int64_t window = num_rows if num_rows <= (4 * n if 4 * n > _WINDOW else _WINDOW) else _WINDOW
     cdef int pos_bits = _bit_length(<uint64_t>(n - 1)) if n > 1 else 1
     cdef int key_bits = _bit_length(<uint64_t>(num_rows - 1)) if num_rows > 1 else 1
-    inverse_arr = np.empty(n, dtype=np.int64)
-    uniq_arr = np.empty(n, dtype=np.int64)
-    counts_arr = np.empty(n, dtype=np.int64)
-    cdef int64_t[::1] inverse = inverse_arr
-    cdef int64_t[::1] uniq = uniq_arr
-    cdef int64_t[::1] counts = counts_arr
-    cdef int64_t* cnt = NULL
-    cdef Py_ssize_t* hist = NULL
+    cdef int64_t[::1] inverse
+    cdef int64_t[::1] uniq
+    cdef int64_t[::1] counts
+    cdef stp_scratch* s = NULL
     cdef int64_t* rank = NULL
     cdef int64_t* slot_keys = NULL
     cdef int64_t* slot_order = NULL
@@ -310,21 +468,49 @@ def plan_unchecked(const index_t[::1] ids not None, int64_t num_rows):
     cdef int64_t* sort_vals = NULL
     cdef uint64_t* tmp_keys = NULL
     cdef int64_t* tmp_vals = NULL
+    cdef int64_t* uk
+    cdef int64_t* uc
     cdef bint failed = False
     if n == 0:
-        return uniq_arr, inverse_arr, counts_arr
-    with nogil:
-        if pos_bits + key_bits <= 64:
-            cnt = <int64_t*>calloc(window, sizeof(int64_t))
-            sort_keys = <uint64_t*>malloc(n * sizeof(uint64_t))
-            tmp_keys = <uint64_t*>malloc(n * sizeof(uint64_t))
-            hist = <Py_ssize_t*>malloc(8 * _RADIX * sizeof(Py_ssize_t))
-            if cnt == NULL or sort_keys == NULL or tmp_keys == NULL or hist == NULL:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    if n > 2147483647:
+        window = 0
+    inverse_arr = np.empty(n, dtype=np.int64)
+    inverse = inverse_arr
+    if pos_bits + key_bits <= 64:
+        with nogil:
+            s = stp_scratch_get(window, n)
+            if s == NULL:
                 failed = True
             else:
-                k = _plan_window(ids, window, &uniq[0], &inverse[0], &counts[0], cnt,
-                                 sort_keys, tmp_keys, hist, pos_bits, key_bits)
-        else:
+                # an unchecked call passes no bound: its ids are valid by contract
+                k = _plan_window(ids, <uint64_t>window,
+                                 <uint64_t>num_rows if check else <uint64_t>(-1),
+                                 s.uk, &inverse[0], s.uc, s.cnt, s.bits, s.a, s.b, s.hist,
+                                 pos_bits)
+                if k < 0:
+                    bad = _first_out_of_range(ids, num_rows)
+        if bad >= 0:
+            return bad
+        if failed:
+            raise MemoryError(f"stpipe planner: could not allocate scratch memory for {n} ids")
+        uniq_arr = np.empty(k, dtype=np.int64)
+        counts_arr = np.empty(k, dtype=np.int64)
+        uniq = uniq_arr
+        counts = counts_arr
+        with nogil:
+            memcpy(&uniq[0], s.uk, k * sizeof(int64_t))
+            memcpy(&counts[0], s.uc, k * sizeof(int64_t))
+            stp_scratch_trim(s)
+        return uniq_arr, inverse_arr, counts_arr
+    uniq_arr = np.empty(n, dtype=np.int64)
+    counts_arr = np.empty(n, dtype=np.int64)
+    uniq = uniq_arr
+    counts = counts_arr
+    with nogil:
+        if check:
+            bad = _first_out_of_range(ids, num_rows)
+        if bad < 0:
             while cap < 2 * n:
                 cap <<= 1
                 cap_bits += 1
@@ -343,18 +529,46 @@ def plan_unchecked(const index_t[::1] ids not None, int64_t num_rows):
                 k = _plan_hash(ids, num_rows, &uniq[0], &inverse[0], &counts[0], slot_keys,
                                slot_order, sort_keys, sort_vals, tmp_keys, tmp_vals, rank,
                                cap_bits)
-        free(cnt)
-        free(hist)
-        free(rank)
-        free(slot_keys)
-        free(slot_order)
-        free(sort_keys)
-        free(sort_vals)
-        free(tmp_keys)
-        free(tmp_vals)
+            free(rank)
+            free(slot_keys)
+            free(slot_order)
+            free(sort_keys)
+            free(sort_vals)
+            free(tmp_keys)
+            free(tmp_vals)
+    if bad >= 0:
+        return bad
     if failed:
         raise MemoryError(f"stpipe planner: could not allocate scratch memory for {n} ids")
     return uniq_arr[:k].copy(), inverse_arr, counts_arr[:k].copy()
+
+
+def plan_unchecked(const index_t[::1] ids not None, int64_t num_rows):
+    """Deduplicate and sort one batch of already validated ids.
+
+    Args:
+        ids: ``(n,)`` int32 or int64, C-contiguous, every value in ``[0, num_rows)``.
+        num_rows: the table's row count (> 0).
+
+    Returns:
+        ``(unique, inverse, counts)``: ``(k,)`` int64 sorted distinct ids, ``(n,)`` int64
+        positions into ``unique``, ``(k,)`` int64 occurrence counts.
+    """
+    return _plan(ids, num_rows, False)
+
+
+def plan_checked(const index_t[::1] ids not None, int64_t num_rows):
+    """Range-check then plan one batch, in one call (what :func:`stpipe.planner.plan` uses).
+
+    Args:
+        ids: ``(n,)`` int32 or int64, C-contiguous.
+        num_rows: the table's row count (> 0).
+
+    Returns:
+        ``(unique, inverse, counts)`` as :func:`plan_unchecked`, or, when an id lies
+        outside ``[0, num_rows)``, the position (an int) of the first such id.
+    """
+    return _plan(ids, num_rows, True)
 
 
 cdef inline Py_ssize_t _intersect(const int64_t[::1] a, const int64_t[::1] b, int64_t* pa,

@@ -232,14 +232,23 @@ def plan(ids: Any, num_rows: int) -> Plan:
         StpipeValueError: ``num_rows <= 0``.
         StpipeIndexError: an out-of-range id (the first one and its position).
     """
-    arr = check_ids(ids, num_rows)
-    num_rows = int(num_rows)
+    num_rows = _check_num_rows(num_rows)
+    arr = as_index_array(ids)
     flat = arr.reshape(-1)
     if implementation() == "cython":
-        unique, inverse, counts = _compiled.plan_unchecked(flat, num_rows)
+        # range check and plan in one compiled call; an int result is the first bad position
+        res = _compiled.plan_checked(flat, num_rows)
+        if type(res) is not tuple:
+            _raise_out_of_range(arr, flat, res, num_rows)
+        unique, inverse, counts = res
     else:
+        pos = _first_out_of_range_numpy(flat, num_rows)
+        if pos >= 0:
+            _raise_out_of_range(arr, flat, pos, num_rows)
         unique, inverse, counts = _plan_numpy(flat, num_rows)
-    return Plan(unique=unique, inverse=inverse.reshape(arr.shape), counts=counts, num_rows=num_rows)
+    if arr.ndim != 1:
+        inverse = inverse.reshape(arr.shape)
+    return Plan(unique=unique, inverse=inverse, counts=counts, num_rows=num_rows)
 
 
 def _intersect_numpy(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
