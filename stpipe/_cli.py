@@ -454,14 +454,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
         bar = tqdm(total=len(data.ids) * cfg.epochs, unit="tok", unit_scale=True,
                    dynamic_ncols=True, desc="training", file=sys.stderr)
-    state = {"loss": None}
+    state = {"loss": None, "seen": 0}
 
     def progress(res, batch) -> None:
-        loss = res.losses[-1]
-        state["loss"] = loss if state["loss"] is None else 0.98 * state["loss"] + 0.02 * loss
+        if len(res.losses) > state["seen"]:
+            for loss in res.losses[state["seen"]:]:
+                state["loss"] = (loss if state["loss"] is None
+                                 else 0.98 * state["loss"] + 0.02 * loss)
+            state["seen"] = len(res.losses)
         if bar is not None:
             bar.update(batch.tokens)
-            if res.steps % 10 == 1:
+            if res.steps % 10 == 1 and state["loss"] is not None:
                 post = {"loss": f"{state['loss']:.3f}", "host": fmt_bytes(_rss_bytes())}
                 if device == "cuda":
                     import torch

@@ -348,6 +348,18 @@ def _make_optimizer(params, cfg: DemoConfig) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer must be one of {tuple(_STATE_PER_ROW)}, got {cfg.optimizer!r}")
 
 
+#: On CUDA, losses are read back (a host sync) once per this many steps, not every step.
+_LOSS_SYNC_EVERY = 16
+
+
+def _flush(pending: List[Tuple[torch.Tensor, int]], res: "TrainResult") -> None:
+    """Move pending per-step losses (device tensors) into ``res.losses`` as floats."""
+    if pending:
+        values = torch.stack([l for l, _ in pending]).cpu().tolist()
+        res.losses.extend(v / p for v, (_, p) in zip(values, pending))
+        pending.clear()
+
+
 def _train_stpipe(data: SkipGramData, cfg: DemoConfig, progress) -> TrainResult:
     """Both tables and their optimizer state in host tables, stepped by the pipeline.
 
@@ -376,6 +388,7 @@ def _train_stpipe(data: SkipGramData, cfg: DemoConfig, progress) -> TrainResult:
         t = torch.from_numpy(a)
         return t.to(device, non_blocking=True) if device.type == "cuda" else t
 
+    pending: List[Tuple[torch.Tensor, int]] = []
     t0 = time.perf_counter()
     try:
         with Pipeline({"in": emb_in, "out": emb_out}, optimizer=opt,
@@ -398,7 +411,9 @@ def _train_stpipe(data: SkipGramData, cfg: DemoConfig, progress) -> TrainResult:
                 res.tokens += b.tokens
                 res.centres += len(b.in_len)
                 res.pairs += P
-                res.losses.append(float(loss.detach()) / P)
+                pending.append((loss.detach(), P))
+                if device.type != "cuda" or len(pending) >= _LOSS_SYNC_EVERY:
+                    _flush(pending, res)
                 if progress is not None:
                     progress(res, b)
     except KeyboardInterrupt:
@@ -406,6 +421,7 @@ def _train_stpipe(data: SkipGramData, cfg: DemoConfig, progress) -> TrainResult:
         raise
     finally:
         res.seconds = time.perf_counter() - t0
+    _flush(pending, res)
     emb_in.table.synchronize()
     emb_out.table.synchronize()
     res.in_table = emb_in.table.tensor()
