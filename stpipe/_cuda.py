@@ -12,11 +12,16 @@ pointer, which is how the UVA kernels of :mod:`stpipe.kernels` read and write it
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+import ctypes
+import threading
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ._errors import BackendUnavailableError, StpipeRuntimeError
+
+#: cudaErrorHostMemoryAlreadyRegistered
+ALREADY_REGISTERED = 712
 
 __all__ = ["REGISTER_CHUNK", "PAGE", "host_register", "host_unregister", "cuda_available"]
 
@@ -29,6 +34,46 @@ PAGE = 4096
 # cudaHostRegisterPortable (1): pinned for every CUDA context;
 # cudaHostRegisterMapped (2): mapped into the device address space (UVA access).
 _FLAGS = 1 | 2
+
+
+# Ranges page-locked through this module: start -> end. Lets a table that wraps memory
+# another table registered skip registering it again (which fails).
+_registered: Dict[int, int] = {}
+_reg_lock = threading.Lock()
+_libcudart: Optional[ctypes.CDLL] = None
+
+
+def is_registered(ptr: int, nbytes: int) -> bool:
+    """True when ``[ptr, ptr + nbytes)`` lies inside ranges stpipe page-locked."""
+    with _reg_lock:
+        spans = sorted(_registered.items())
+    pos, end = ptr, ptr + nbytes
+    for start, stop in spans:
+        if start <= pos < stop:
+            pos = stop
+            if pos >= end:
+                return True
+    return False
+
+
+def _clear_last_error() -> None:
+    """Reset the runtime's per-thread last error after a failed call we handled.
+
+    A failed ``cudaHostRegister`` leaves its error as the runtime's "last error", which
+    PyTorch's next error check would report against an unrelated call. PyTorch's binding
+    has no ``cudaGetLastError``, so call it in the libcudart that PyTorch loaded.
+    """
+    global _libcudart
+    if _libcudart is None:
+        try:
+            with open("/proc/self/maps") as f:
+                paths = [ln.split()[-1] for ln in f if "libcudart.so" in ln]
+            if not paths:
+                return
+            _libcudart = ctypes.CDLL(paths[0])
+        except OSError:
+            return
+    _libcudart.cudaGetLastError()
 
 
 def cuda_available() -> bool:
@@ -52,21 +97,25 @@ def _cudart():
 def _check(rt, err, what: str) -> None:
     code = int(getattr(err, "value", err))
     if code != 0:
+        _clear_last_error()
         try:
             msg = rt.cudaGetErrorString(err)
         except Exception:  # pragma: no cover
             msg = "unknown error"
-        raise StpipeRuntimeError(f"{what} failed with CUDA error {code}: {msg}")
+        exc = StpipeRuntimeError(f"{what} failed with CUDA error {code}: {msg}")
+        exc.cuda_error = code  # type: ignore[attr-defined]
+        raise exc
 
 
 def host_register(ptr: int, nbytes: int, chunk: int = REGISTER_CHUNK) -> List[Tuple[int, int]]:
     """Page-lock ``[ptr, ptr + nbytes)`` in chunks; all or nothing.
 
     Args:
-        ptr: start address, a multiple of :data:`PAGE`.
-        nbytes: bytes to lock, a multiple of :data:`PAGE` (callers round up inside their
-            own allocation).
-        chunk: bytes per ``cudaHostRegister`` call (a multiple of :data:`PAGE`).
+        ptr: start address (page aligned for memory stpipe allocates; any address for
+            memory it wraps).
+        nbytes: bytes to lock (stpipe rounds its own allocations up to whole pages).
+        chunk: bytes per ``cudaHostRegister`` call (a multiple of :data:`PAGE`); chunk
+            boundaries are page aligned so that no two registrations share a page.
 
     Returns:
         The registered ``(ptr, nbytes)`` ranges, for :func:`host_unregister`.
@@ -76,18 +125,20 @@ def host_register(ptr: int, nbytes: int, chunk: int = REGISTER_CHUNK) -> List[Tu
         StpipeRuntimeError: a ``cudaHostRegister`` call failed; ranges registered before
             it are unregistered again.
     """
-    if ptr % PAGE or nbytes % PAGE or chunk % PAGE:
-        raise StpipeRuntimeError(
-            f"host_register needs page-aligned ranges, got ptr={ptr:#x} nbytes={nbytes}"
-        )
+    if chunk % PAGE or chunk <= 0:
+        raise StpipeRuntimeError(f"chunk must be a positive multiple of {PAGE}, got {chunk}")
     rt = _cudart()
     done: List[Tuple[int, int]] = []
+    # Chunk boundaries sit on page boundaries, so no two registrations share a page.
+    bounds = [ptr] + list(range((ptr // PAGE) * PAGE + chunk, ptr + nbytes, chunk)) + [ptr + nbytes]
     try:
-        for start in range(0, nbytes, chunk):
-            size = min(chunk, nbytes - start)
+        for a, b in zip(bounds, bounds[1:]):
+            start, size = a - ptr, b - a
             err = rt.cudaHostRegister(ptr + start, size, _FLAGS)
             _check(rt, err, f"cudaHostRegister({ptr + start:#x}, {size})")
             done.append((ptr + start, size))
+            with _reg_lock:
+                _registered[ptr + start] = ptr + start + size
     except BaseException:
         host_unregister(done)
         raise
@@ -105,6 +156,8 @@ def host_unregister(ranges: List[Tuple[int, int]]) -> None:
     rt = _cudart()
     first: BaseException | None = None
     for p, size in ranges:
+        with _reg_lock:
+            _registered.pop(p, None)
         try:
             _check(rt, rt.cudaHostUnregister(p), f"cudaHostUnregister({p:#x}, {size})")
         except BaseException as exc:  # keep going: free what we can

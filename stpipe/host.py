@@ -253,11 +253,17 @@ class HostTable:
         self._owner = owner
         self.pinned = False
         if pin:
-            if wrap is not None and wrap.is_pinned():
-                self.pinned = True  # already page-locked by its owner
-            else:
-                self._ranges = _cuda.host_register(*reg) if wrap is None else _register_any(*reg)
-                self.pinned = True
+            if wrap is None:
+                self._ranges = _cuda.host_register(*reg)
+            elif not (_cuda.is_registered(*reg) or wrap.is_pinned()):
+                try:
+                    self._ranges = _cuda.host_register(*reg)
+                except StpipeRuntimeError as exc:
+                    if getattr(exc, "cuda_error", None) != _cuda.ALREADY_REGISTERED:
+                        raise
+                    # page-locked by its owner (another table, cudaHostRegister); the
+                    # owner keeps it locked, this table registers nothing
+            self.pinned = True
 
     @property
     def closed(self) -> bool:
@@ -832,30 +838,6 @@ def _check_unique(batch: IndexBatch) -> None:
         f"{pos[1]}); deduplicate with stpipe.plan(ids, num_rows) and sum the rows, or pass "
         "assume_unique=True if they are unique"
     )
-
-
-def _register_any(ptr: int, nbytes: int) -> List[Tuple[int, int]]:
-    """Register memory we did not allocate: exact range, page-aligned interior chunk
-    boundaries so that no two registrations share a page."""
-    page = _cuda.PAGE
-    ranges: List[Tuple[int, int]] = []
-    try:
-        start, end = ptr, ptr + nbytes
-        while start < end:
-            stop = min(end, (start // page) * page + _cuda.REGISTER_CHUNK)
-            ranges += _register_exact(start, stop - start)
-            start = stop
-    except BaseException:
-        _cuda.host_unregister(ranges)
-        raise
-    return ranges
-
-
-def _register_exact(ptr: int, nbytes: int) -> List[Tuple[int, int]]:
-    rt = _cuda._cudart()
-    err = rt.cudaHostRegister(ptr, nbytes, _cuda._FLAGS)
-    _cuda._check(rt, err, f"cudaHostRegister({ptr:#x}, {nbytes})")
-    return [(ptr, nbytes)]
 
 
 def _read_header(f: Any, path: str) -> Tuple[Tuple[int, int], torch.dtype, int]:

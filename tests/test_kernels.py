@@ -138,3 +138,13 @@ def test_auto_without_pinning_only_tries_torch():
 
 def test_backends_tuple():
     assert BACKENDS == ("auto", "torch", "cupy", "numba")
+
+
+def test_registry_of_page_locked_ranges(monkeypatch):
+    from stpipe import _cuda
+
+    monkeypatch.setattr(_cuda, "_registered", {4096: 8192, 8192: 16384})
+    assert _cuda.is_registered(4096, 12288)  # spans two adjacent registrations
+    assert _cuda.is_registered(5000, 100)
+    assert not _cuda.is_registered(4000, 200)  # starts before
+    assert not _cuda.is_registered(16000, 1000)  # runs past the end

@@ -22,8 +22,9 @@ from . import IndexBatch, row_bytes
 
 __all__ = ["TorchBackend", "DEFAULT_CHUNK_BYTES"]
 
-#: Bytes per staging buffer (two per call in flight).
-DEFAULT_CHUNK_BYTES = 8 << 20
+#: Bytes per staging buffer (two per call in flight); 16 MiB measured best on an H200
+#: host (10M x 128 float32 table, 131,072 sorted ids: 4-64 MiB tried).
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 class _Staging:

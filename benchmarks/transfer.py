@@ -1,0 +1,423 @@
+"""Row transfer benchmark: host table <-> GPU, every path side by side.
+
+One run prints, for uniform random ids (deduplicated and sorted with ``np.unique``, as
+the planner gives them) and Zipf(1.2) ids (deduplicated), the gather (host -> GPU) and
+scatter (GPU -> host) bandwidth of:
+
+* ``limit``: a contiguous pinned copy of the same bytes (the PCIe limit);
+* ``naive``: ``table[ids].to('cuda')`` / ``table[ids] = x.cpu()``;
+* ``index_select``: ``index_select`` into pinned staging + one copy / the reverse with
+  ``index_copy_`` (the best plain PyTorch);
+* ``speedtorch``: SpeedTorch 0.1.6 ``DataGadget(CPUPinn=True)`` when it imports;
+* ``stpipe-<backend>``: ``HostTable.gather``/``scatter`` with each backend that loads.
+
+It also reports host RSS growth against the table's bytes and the GPU memory the table
+holds outside a step (should be 0). Times are CUDA-event medians of ``--repeats`` runs
+after ``--warmup`` runs. Results go to ``--out``: ``transfer.json``, ``transfer.log``
+and, when matplotlib imports, ``transfer.png`` (GB/s against batch size, ``--sweep``).
+
+Examples::
+
+    python benchmarks/transfer.py --out bench/            # 10M x 128 float32, batch 131072
+    python benchmarks/transfer.py --rows 10000000 2000000 --sweep --out bench/
+    python benchmarks/transfer.py --quick --out /tmp/b    # tiny; also runs without a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from stpipe import BackendUnavailableError  # noqa: E402
+from stpipe.host import HostTable  # noqa: E402
+from stpipe.kernels import get_backend  # noqa: E402
+
+GB = 1e9
+
+
+class Log:
+    """Print and keep every line for ``transfer.log``."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __call__(self, *parts: object) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # pragma: no cover - not Linux
+        return 0
+
+
+def timer(fn: Callable[[], object], repeats: int, warmup: int, cuda: bool) -> float:
+    """Median seconds of ``fn`` (CUDA events on the current stream, or perf_counter)."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_ids(kind: str, rows: int, batch: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        raw = rng.integers(0, rows, batch)
+    elif kind == "zipf":
+        raw = (rng.zipf(1.2, batch) - 1) % rows
+    else:
+        raise ValueError(kind)
+    return np.unique(raw).astype(np.int64)
+
+
+def stpipe_backends(cuda: bool, wanted: Optional[List[str]]) -> Dict[str, str]:
+    """Backend name -> '' when it loads, else the reason it does not."""
+    names = wanted or (["torch", "cupy", "numba", "auto"] if cuda else ["torch"])
+    out = {}
+    for name in names:
+        try:
+            get_backend(name) if cuda else None
+            out[name] = ""
+        except BackendUnavailableError as exc:
+            out[name] = str(exc).split(";")[0]
+    return out
+
+
+def paths_for(table: HostTable, ids: np.ndarray, cuda: bool, backends: Dict[str, str],
+              wrappers: Dict[str, HostTable], gadget, log: Log) -> Dict[str, Dict[str, Callable]]:
+    """op -> path name -> zero-argument callable moving the batch ``ids``."""
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    host = table.tensor()
+    k, dim, dtype = len(ids), table.dim, table.dtype
+    nbytes = k * dim * table.itemsize
+    idx = torch.from_numpy(ids)
+    out = torch.empty((k, dim), dtype=dtype, device=dev)
+    rows = torch.randn(k, dim, device=dev).to(dtype)
+    gather: Dict[str, Callable] = {}
+    scatter: Dict[str, Callable] = {}
+    if cuda:
+        pin_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        gather["limit"] = lambda: dev_buf.copy_(pin_src, non_blocking=True)
+        scatter["limit"] = lambda: pin_src.copy_(dev_buf, non_blocking=True)
+        gather["naive"] = lambda: host[idx].to(dev)
+
+        def naive_scatter():
+            host[idx] = rows.cpu()
+
+        scatter["naive"] = naive_scatter
+        stage = torch.empty((k, dim), dtype=dtype, pin_memory=True)
+
+        def is_gather():
+            torch.index_select(host, 0, idx, out=stage)
+            out.copy_(stage, non_blocking=True)
+
+        def is_scatter():
+            stage.copy_(rows, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            host.index_copy_(0, idx, stage)
+
+        gather["index_select"], scatter["index_select"] = is_gather, is_scatter
+        if gadget is not None:
+            gidx = ids.copy()
+            gather["speedtorch"] = lambda: gadget.getData(gidx)
+            scatter["speedtorch"] = lambda: gadget.insertData(rows, gidx)
+    else:
+        flat = host.reshape(-1).view(torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        gather["limit"] = lambda: dst.copy_(flat[:nbytes])
+        scatter["limit"] = lambda: flat[:nbytes].copy_(dst)
+        gather["naive"] = lambda: host[idx]
+
+        def naive_scatter_cpu():
+            host[idx] = rows
+
+        scatter["naive"] = naive_scatter_cpu
+    for name, why in backends.items():
+        if why:
+            continue
+        t = wrappers[name]
+        gather[f"stpipe-{name}"] = (lambda t=t: t.gather(ids, out=out))
+        scatter[f"stpipe-{name}"] = (lambda t=t: t.scatter(ids, rows, assume_unique=True))
+    return {"gather": gather, "scatter": scatter}
+
+
+def run_point(table: HostTable, ids: np.ndarray, args, cuda: bool, backends, wrappers,
+              gadget, log: Log, label: str, fields: dict, quiet: bool = False) -> List[dict]:
+    k = len(ids)
+    nbytes = k * table.dim * table.itemsize
+    paths = paths_for(table, ids, cuda, backends, wrappers, gadget, log)
+    results = []
+    if not quiet:
+        log(f"\n[{label}] {k} unique rows x {table.dim} {str(table.dtype)[6:]} = "
+            f"{nbytes / 2**20:.1f} MiB per batch")
+        log(f"{'path':<18}{'gather GB/s':>12}{'x limit':>9}{'ms':>9}"
+            f"{'scatter GB/s':>14}{'x limit':>9}{'ms':>9}")
+    per_path: Dict[str, Dict[str, float]] = {}
+    for op in ("gather", "scatter"):
+        for name, fn in paths[op].items():
+            reps = args.repeats if name != "naive" else max(3, args.repeats // 3)
+            try:
+                sec = timer(fn, reps, args.warmup, cuda)
+            except Exception as exc:  # a path that fails is reported, not fatal
+                log(f"  {op} {name} failed: {type(exc).__name__}: {exc}")
+                continue
+            per_path.setdefault(name, {})[op] = sec
+    limit = per_path.get("limit", {})
+    for name, ops in per_path.items():
+        row = {"label": label, "path": name, "unique_rows": k, "bytes": nbytes, **fields}
+        cells = []
+        for op in ("gather", "scatter"):
+            sec = ops.get(op)
+            if sec is None:
+                cells += ["-", "-", "-"]
+                continue
+            gbps = nbytes / sec / GB
+            ratio = (limit[op] / sec) if op in limit else float("nan")
+            row[f"{op}_ms"], row[f"{op}_gbps"], row[f"{op}_x_limit"] = sec * 1e3, gbps, ratio
+            cells += [f"{gbps:.2f}", f"{ratio:.2f}", f"{sec * 1e3:.3f}"]
+        results.append(row)
+        if not quiet:
+            log(f"{name:<18}{cells[0]:>12}{cells[1]:>9}{cells[2]:>9}"
+                f"{cells[3]:>14}{cells[4]:>9}{cells[5]:>9}")
+    return results
+
+
+def load_speedtorch(table: HostTable, cuda: bool, folder: str, log: Log):
+    if not cuda:
+        return None
+    try:
+        import SpeedTorch  # noqa: F401
+    except Exception as exc:
+        log(f"note: SpeedTorch row skipped ({type(exc).__name__}: {exc}); "
+            "pip install SpeedTorch==0.1.6 cupy to compare")
+        return None
+    try:
+        path = os.path.join(folder, "speedtorch_table.npy")
+        table.save(path)
+        gadget = SpeedTorch.DataGadget(path, CPUPinn=True)
+        gadget.gadgetInit()
+        os.unlink(path)
+        return gadget
+    except Exception as exc:
+        log(f"note: SpeedTorch DataGadget failed to load ({type(exc).__name__}: {exc})")
+        return None
+
+
+def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: Log,
+                id_kinds=("uniform", "zipf"), batches: Optional[List[int]] = None,
+                quiet: bool = False, speedtorch: bool = True) -> dict:
+    """Build one table, measure memory, run every path for each id kind."""
+    batches = batches or [args.batch]
+    gc.collect()
+    rss0 = rss_bytes()
+    gpu0 = torch.cuda.memory_allocated() if cuda else 0
+    t0 = time.perf_counter()
+    table = HostTable(rows, dim, dtype, backend="torch",
+                      device="cuda" if cuda else "cpu", pin=cuda)
+    t_create = time.perf_counter() - t0
+    if not quiet:
+        table.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(0))
+    elif not table.pinned:  # sweeps time copies only; page-locking already faulted pages in
+        table.zeros_()
+    t_init = time.perf_counter() - t0 - t_create
+    rss_growth = rss_bytes() - rss0
+    gpu_table = (torch.cuda.memory_allocated() - gpu0) if cuda else 0
+    info = {
+        "rows": rows, "dim": dim, "dtype": str(dtype), "table_bytes": table.nbytes,
+        "pinned": table.pinned, "create_s": t_create, "init_s": t_init,
+        "rss_growth_bytes": rss_growth, "rss_growth_x_table": rss_growth / table.nbytes,
+        "gpu_bytes_outside_step": gpu_table,
+    }
+    if not quiet:
+        log(f"\n=== table {rows} x {dim} {str(dtype)[6:]}: {table.nbytes / GB:.2f} GB, "
+            f"pinned={table.pinned}, created in {t_create:.2f} s, initialised in {t_init:.2f} s")
+        log(f"host RSS growth {rss_growth / GB:.2f} GB = {info['rss_growth_x_table']:.3f} x "
+            f"table bytes (target <= 1.05); GPU memory held by the table: {gpu_table} bytes")
+    backends = stpipe_backends(cuda, args.backends)
+    for name, why in backends.items():
+        if why and not quiet:
+            log(f"note: stpipe backend {name} skipped: {why}")
+    wrappers = {
+        name: HostTable.from_tensor(table.tensor(), copy=False, backend=name,
+                                    device="cuda" if cuda else "cpu", pin=cuda)
+        for name, why in backends.items() if not why
+    }
+    gadget = load_speedtorch(table, cuda, args.out, log) if (speedtorch and not quiet) else None
+    results = []
+    for kind in id_kinds:
+        for batch in batches:
+            ids = make_ids(kind, rows, batch)
+            label = f"{kind} ids, batch {batch}, table {rows}x{dim} {str(dtype)[6:]}"
+            fields = {"ids": kind, "batch": batch, "rows": rows, "dim": dim, "dtype": str(dtype)}
+            results += run_point(table, ids, args, cuda, backends, wrappers, gadget, log,
+                                 label, fields, quiet=quiet)
+    if cuda and "auto" in wrappers:
+        auto = get_backend("auto")
+        info["auto_decisions"] = {
+            str(k): {"chosen": v[0], "candidate_ms": {n: t * 1e3 for n, t in v[1].items()}}
+            for k, v in auto.decisions.items()
+        }
+        if not quiet:
+            log("auto backend decisions (op, device, log2 table bytes, log2 batch bytes, "
+                "sorted, pinned) -> choice [candidate ms]:")
+            for k, v in auto.decisions.items():
+                cands = ", ".join(f"{n} {t * 1e3:.2f}" for n, t in v[1].items())
+                log(f"  {k} -> {v[0]}  [{cands}]")
+    for w in wrappers.values():
+        w.close()
+    del gadget
+    table.close()
+    gc.collect()
+    return {"table": info, "results": results}
+
+
+def plot(sweep: List[dict], path: str, log: Log) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        log(f"note: no PNG ({type(exc).__name__}: {exc})")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, op in zip(axes, ("gather", "scatter")):
+        names = sorted({r["path"] for r in sweep})
+        for name in names:
+            pts = sorted((r["unique_rows"], r[f"{op}_gbps"]) for r in sweep
+                         if r["path"] == name and f"{op}_gbps" in r)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("unique rows per batch")
+        ax.set_title(f"{op} (uniform ids)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="folder for JSON/PNG/log")
+    p.add_argument("--rows", type=int, nargs="+", default=None,
+                   help="table rows; several values run several tables (default 10000000)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--batch", type=int, default=None, help="ids drawn per batch (default 131072)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="stpipe backends (default: torch cupy numba auto)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also sweep batch 4K..1M, dim 16..1024 and float16")
+    p.add_argument("--quick", action="store_true", help="tiny table, few repeats (CPU-friendly)")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.quick:
+        args.rows = args.rows or [100_000]
+        args.batch = args.batch or 8192
+        args.repeats = args.repeats or 5
+        args.warmup = min(args.warmup, 2)
+    args.rows = args.rows or [10_000_000]
+    args.batch = args.batch or 131_072
+    args.repeats = args.repeats or 10
+    os.makedirs(args.out, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+    log = Log()
+    env = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "numpy": np.__version__, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    log(f"stpipe transfer benchmark: {json.dumps(env)}")
+    if not cuda:
+        log("note: no CUDA: CPU-only run (stpipe torch backend vs naive indexing)")
+    report = {"env": env, "args": vars(args), "tables": [], "sweep": []}
+    for rows in args.rows:
+        report["tables"].append(bench_table(rows, args.dim, dtype, args, cuda, log))
+    if args.sweep:
+        base_rows = args.rows[0]
+        base_bytes = base_rows * args.dim * torch.empty((), dtype=dtype).element_size()
+        log("\n=== sweep: batch size (uniform ids)")
+        batches = [4096, 16384, 65536, 131072, 262144, 1048576]
+        if args.quick:
+            batches = [b for b in batches if b <= base_rows]
+        r = bench_table(base_rows, args.dim, dtype, args, cuda, log, id_kinds=("uniform",),
+                        batches=batches, quiet=True, speedtorch=False)
+        for row in r["results"]:
+            row["sweep"] = "batch"
+        report["sweep"] += r["results"]
+        for b in batches:
+            _print_sweep_row(log, f"batch {b}", [x for x in r["results"] if x["batch"] == b])
+        log("\n=== sweep: dim at equal table bytes (uniform ids, batch %d)" % args.batch)
+        for dim in [16, 64, 128, 256, 1024]:
+            rows = max(args.batch, base_bytes // (dim * 4))
+            r = bench_table(rows, dim, torch.float32, args, cuda, log, id_kinds=("uniform",),
+                            quiet=True, speedtorch=False)
+            for row in r["results"]:
+                row["sweep"] = "dim"
+            report["sweep"] += r["results"]
+            _print_sweep_row(log, f"dim {dim} ({rows} rows)", r["results"])
+        log("\n=== sweep: float16")
+        r = bench_table(base_rows, args.dim, torch.float16, args, cuda, log,
+                        id_kinds=("uniform", "zipf"), quiet=True, speedtorch=False)
+        for row in r["results"]:
+            row["sweep"] = "float16"
+        report["sweep"] += r["results"]
+        _print_sweep_row(log, "float16", r["results"])
+        plot([r for r in report["sweep"] if r.get("sweep") == "batch"],
+             os.path.join(args.out, "transfer.png"), log)
+    with open(os.path.join(args.out, "transfer.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    log(f"\nwrote {os.path.join(args.out, 'transfer.json')}")
+    with open(os.path.join(args.out, "transfer.log"), "w") as f:
+        f.write("\n".join(log.lines) + "\n")
+    return 0
+
+
+def _print_sweep_row(log: Log, what: str, results: List[dict]) -> None:
+    parts = []
+    for r in results:
+        g, s = r.get("gather_gbps"), r.get("scatter_gbps")
+        parts.append(f"{r['path']}={g:.1f}/{s:.1f}" if g and s else f"{r['path']}=?")
+    log(f"{what:<26} gather/scatter GB/s: " + "  ".join(parts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
