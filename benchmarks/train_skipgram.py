@@ -1,0 +1,386 @@
+"""Skip-gram with negative sampling on host tables: stpipe against the alternatives.
+
+Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two tables
+(input and output embeddings) of ``--rows`` rows (default 10M: 2 x 5.12 GB of table and
+4 x 5.12 GB of Adam state), ids drawn from Zipf(1.2) (low ids hot). One run measures:
+
+* ``gpu_sparse_adam``: both tables on the GPU, ``nn.Embedding(sparse=True)`` + ``SparseAdam``
+  (the ceiling: no transfers at all);
+* ``naive_host``: tables and Adam state as ordinary CPU tensors; per step ``torch.unique``,
+  ``t[uniq].to(dev)`` for rows and state, Adam on the rows, ``t[uniq] = x.cpu()`` back;
+* ``speedtorch_sgd``: SpeedTorch 0.1.6 ``ModelFactory(CPUPinn=True)`` switchers (when
+  ``import SpeedTorch`` works) with plain SGD, because its ``OptimizerFactory`` fails on
+  current PyTorch (its ``step`` state is a Python int); so it moves no optimizer state and
+  is not the same workload (less data per step);
+* ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
+* ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
+  N computes);
+* a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
+  profile synchronises at each phase, so it is a breakdown, not a speed).
+
+Reported: steps/s, ms/step, ratio to the ceiling, peak GPU memory allocated by PyTorch
+(``max_memory_allocated``) and device-wide memory in use (``mem_get_info``; this one also
+counts CuPy's pool), host RSS. ``--quick`` is tiny (100k rows, 20 steps) and also runs on
+a CPU-only machine. ``--out DIR`` writes ``train_skipgram.json`` and ``train_skipgram.log``.
+
+Usage::
+
+    python benchmarks/train_skipgram.py --out /tmp/bench            # full, H200
+    python benchmarks/train_skipgram.py --quick --out /tmp/bench    # tiny, anywhere
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BATCH, POS, NEG, DIM, LR = 512, 4, 64, 128, 1e-3
+
+
+# ------------------------------------------------------------------------- utilities
+class Log:
+    def __init__(self, path: str | None):
+        self.f = open(path, "w") if path else None
+
+    def __call__(self, *args: Any) -> None:
+        msg = " ".join(str(a) for a in args)
+        print(msg, flush=True)
+        if self.f:
+            self.f.write(msg + "\n")
+            self.f.flush()
+
+
+def rss_gb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def gpu_mem(dev: torch.device) -> Dict[str, float]:
+    if dev.type != "cuda":
+        return {"gpu_peak_alloc_gb": float("nan"), "gpu_used_gb": float("nan")}
+    free, total = torch.cuda.mem_get_info(dev)
+    return {
+        "gpu_peak_alloc_gb": torch.cuda.max_memory_allocated(dev) / 1e9,
+        "gpu_used_gb": (total - free) / 1e9,
+    }
+
+
+def reset_gpu(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def make_batches(rows: int, n: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
+    """Zipf(1.2) ids (rank = id, so low ids are hot), as int64 CPU tensors."""
+    rng = np.random.default_rng(seed)
+
+    def zipf(shape):
+        out = rng.zipf(1.2, size=shape) - 1
+        bad = out >= rows
+        while bad.any():
+            out[bad] = rng.zipf(1.2, size=int(bad.sum())) - 1
+            bad = out >= rows
+        return torch.from_numpy(out.astype(np.int64))
+
+    return [{"centre": zipf((BATCH,)), "pos": zipf((BATCH, POS)), "neg": zipf((BATCH, NEG))} for _ in range(n)]
+
+
+def sgns_loss(u: torch.Tensor, vp: torch.Tensor, vn: torch.Tensor) -> torch.Tensor:
+    """u (B, d), vp (B, P, d), vn (B, N, d): negative-sampling loss, mean over the batch."""
+    sp = torch.einsum("bd,bpd->bp", u, vp)
+    sn = torch.einsum("bd,bnd->bn", u, vn)
+    return -(F.logsigmoid(sp).sum() + F.logsigmoid(-sn).sum()) / u.shape[0]
+
+
+def timed(dev: torch.device, warmup: int, batches, step_fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor]):
+    """Run step_fn over batches; time the steps after ``warmup``."""
+    losses = []
+    t0 = None
+    for i, b in enumerate(batches):
+        if i == warmup:
+            sync(dev)
+            t0 = time.perf_counter()
+        loss = step_fn(b)
+        if i in (0, len(batches) - 1):
+            losses.append(float(loss.detach()))
+    sync(dev)
+    dt = time.perf_counter() - t0
+    n = len(batches) - warmup
+    return {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
+            "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+# --------------------------------------------------------------------------- methods
+def run_ceiling(args, dev, batches):
+    e_in = torch.nn.Embedding(args.rows, DIM, sparse=True, device=dev)
+    e_out = torch.nn.Embedding(args.rows, DIM, sparse=True, device=dev)
+    with torch.no_grad():
+        e_in.weight.uniform_(-0.5 / DIM, 0.5 / DIM)
+        e_out.weight.zero_()
+    opt = torch.optim.SparseAdam(list(e_in.parameters()) + list(e_out.parameters()), lr=LR)
+    dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+
+    def step(b):
+        loss = sgns_loss(e_in(b["centre"]), e_out(b["pos"]), e_out(b["neg"]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    res = timed(dev, args.warmup, dbatches, step)
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note="tables + SparseAdam state on the GPU")
+    return res
+
+
+def run_naive(args, dev, batches):
+    rows, pin = args.rows, False
+    tables = {}
+    for name in ("in", "out"):
+        t = torch.empty(rows, DIM)
+        if name == "in":
+            t.uniform_(-0.5 / DIM, 0.5 / DIM)
+        else:
+            t.zero_()
+        tables[name] = (t, torch.zeros(rows, DIM), torch.zeros(rows, DIM))
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    state = {"t": 0}
+
+    def step(b):
+        state["t"] += 1
+        t = state["t"]
+        got = {}
+        for name, ids in (("in", b["centre"]), ("out", torch.cat([b["pos"].reshape(-1), b["neg"].reshape(-1)]))):
+            uniq, inv = torch.unique(ids, return_inverse=True)
+            w, m, v = tables[name]
+            p = w[uniq].to(dev).requires_grad_()
+            got[name] = (uniq, inv.to(dev), p, m[uniq].to(dev), v[uniq].to(dev))
+        u = F.embedding(got["in"][1], got["in"][2])
+        ctx = F.embedding(got["out"][1], got["out"][2])
+        vp, vn = ctx[: BATCH * POS].view(BATCH, POS, DIM), ctx[BATCH * POS:].view(BATCH, NEG, DIM)
+        loss = sgns_loss(u, vp, vn)
+        loss.backward()
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        for name, (uniq, _, p, m, v) in got.items():
+            with torch.no_grad():
+                g = p.grad
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+                p.addcdiv_(m, denom, value=-LR / bc1)
+                w, mh, vh = tables[name]
+                w[uniq] = p.detach().cpu()
+                mh[uniq] = m.cpu()
+                vh[uniq] = v.cpu()
+        return loss
+
+    res = timed(dev, args.warmup, batches, step)
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(),
+               note="pageable CPU tensors; torch.unique dedup; t[uniq].to(dev) / t[uniq] = x.cpu(); Adam state too")
+    return res
+
+
+def run_speedtorch(args, dev, batches):
+    try:
+        import SpeedTorch  # noqa: N813
+    except Exception as exc:  # not installed, or CuPy missing/broken
+        return {"skipped": f"import SpeedTorch failed: {type(exc).__name__}: {exc}"}
+    if dev.type != "cuda":
+        return {"skipped": "SpeedTorch needs CUDA (CuPy)"}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.u_embeddings = torch.nn.Embedding(BATCH, DIM).to(dev)
+            self.v_embeddings = torch.nn.Embedding(BATCH * (POS + NEG), DIM).to(dev)
+
+        def forward(self, u_dummy, pos_dummy, neg_dummy):
+            return sgns_loss(self.u_embeddings(u_dummy), self.v_embeddings(pos_dummy), self.v_embeddings(neg_dummy))
+
+    model = Model()
+    u_sw = SpeedTorch.ModelFactory(model.u_embeddings, total_classes=args.rows, embed_dimension=DIM, CPUPinn=True)
+    u_sw.uniformDistributionInit(-0.5 / DIM, 0.5 / DIM)
+    v_sw = SpeedTorch.ModelFactory(model.v_embeddings, total_classes=args.rows, embed_dimension=DIM, CPUPinn=True)
+    v_sw.zerosInit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pos_d, neg_d = v_sw.variableTransformer(BATCH, POS, NEG)
+    pos_d, neg_d = torch.as_tensor(pos_d, device=dev).long(), torch.as_tensor(neg_d, device=dev).long()
+    u_d = torch.arange(BATCH, device=dev)
+    nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
+
+    def step(b):
+        u_sw.beforeForwardPass(b["centre"])
+        v_sw.beforeForwardPass(b["pos"], b["neg"])
+        loss = model(u_d, pos_d, neg_d)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        u_sw.afterOptimizerStep(b["centre"])
+        v_sw.afterOptimizerStep(b["pos"], b["neg"])
+        return loss
+
+    res = timed(dev, args.warmup, nb, step)
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(),
+               note="SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: its OptimizerFactory fails on "
+                    "current PyTorch, so no optimizer state moves (lighter workload); no dedup")
+    return res
+
+
+class _Stpipe:
+    """One pair of stpipe tables shared by the depth-0, depth-1 and profile runs."""
+
+    def __init__(self, args, dev):
+        from stpipe.embedding import HostEmbedding
+        from stpipe.pipeline import Pipeline
+
+        self.Pipeline = Pipeline
+        lo = 0.5 / DIM
+        kw = {} if args.backend is None else {"backend": args.backend}
+        t0 = time.perf_counter()
+        self.e_in = HostEmbedding(args.rows, DIM, device=dev, init=lambda t: t.uniform_(-lo, lo), **kw)
+        self.e_out = HostEmbedding(args.rows, DIM, device=dev, init="zeros", **kw)
+        self.opt = torch.optim.Adam(list(self.e_in.parameters()) + list(self.e_out.parameters()), lr=LR)
+        self.setup_s = time.perf_counter() - t0
+
+    def run(self, args, dev, batches, depth, profile=False):
+        e_in, e_out, opt = self.e_in, self.e_out, self.opt
+        pipe = self.Pipeline(
+            {"in": e_in, "out": e_out}, optimizer=opt, depth=depth, profile=profile,
+            ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
+        )
+        losses, t0 = [], None
+        with pipe:
+            for step in pipe.run(batches):
+                if step.index == args.warmup:
+                    sync(dev)
+                    t0 = time.perf_counter()
+                with step:
+                    pos, neg = step.ids["out"]
+                    loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                if step.index in (0, len(batches) - 1):
+                    losses.append(float(loss.detach()))
+            pipe.synchronize()
+            sync(dev)
+        dt = time.perf_counter() - t0
+        n = len(batches) - args.warmup
+        res = {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
+               "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
+               "backend": getattr(e_in.table, "backend", None)}
+        res.update(gpu_mem(dev), host_rss_gb=rss_gb())
+        if profile:
+            recs = pipe.profile[args.warmup:]
+            res["profile_ms"] = {k: float(np.median([r[k] for r in recs])) for k in
+                                 ("plan_ms", "wait_ms", "compute_ms", "writeback_ms")}
+        return res
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="100k rows, 20 steps (runs on CPU too)")
+    ap.add_argument("--out", default=None, help="directory for train_skipgram.json and .log")
+    ap.add_argument("--methods", default="gpu_sparse_adam,naive_host,speedtorch_sgd,stpipe_depth0,stpipe_depth1,profile")
+    ap.add_argument("--backend", default=None, help="stpipe HostTable backend (default: auto)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rows = min(args.rows, 100_000)
+        args.steps = min(args.steps, 20)
+        args.warmup = min(args.warmup, 3)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    log = Log(os.path.join(args.out, "train_skipgram.log") if args.out else None)
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    info = {
+        "rows": args.rows, "dim": DIM, "batch": BATCH, "pos": POS, "neg": NEG, "optimizer": "Adam lr 1e-3",
+        "ids": "Zipf(1.2)", "steps": args.steps, "warmup": args.warmup, "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "table_gb_each": args.rows * DIM * 4 / 1e9,
+    }
+    log("== skip-gram benchmark", json.dumps(info))
+    t0 = time.perf_counter()
+    batches = make_batches(args.rows, args.steps + args.warmup)
+    uniq = [len(torch.unique(torch.cat([b["pos"].reshape(-1), b["neg"].reshape(-1)]))) for b in batches[:20]]
+    info["unique_context_rows_per_step"] = float(np.mean(uniq))
+    log(f"batches made in {time.perf_counter() - t0:.1f} s; unique context rows/step ~{np.mean(uniq):.0f}")
+    results: Dict[str, Any] = {}
+    st = None
+    for m in methods:
+        reset_gpu(dev)
+        log(f"-- {m}")
+        try:
+            if m == "gpu_sparse_adam":
+                results[m] = run_ceiling(args, dev, batches)
+            elif m == "naive_host":
+                results[m] = run_naive(args, dev, batches)
+            elif m == "speedtorch_sgd":
+                results[m] = run_speedtorch(args, dev, batches)
+            elif m in ("stpipe_depth0", "stpipe_depth1", "profile"):
+                if st is None:
+                    st = _Stpipe(args, dev)
+                    log(f"stpipe tables ready in {st.setup_s:.1f} s")
+                depth = 0 if m == "stpipe_depth0" else 1
+                key = "stpipe_depth1_profile" if m == "profile" else m
+                results[key] = st.run(args, dev, batches, depth, profile=(m == "profile"))
+            else:
+                results[m] = {"skipped": "unknown method"}
+        except Exception as exc:  # keep going: report what failed
+            results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        log(f"   {json.dumps({k: v for k, v in results.get(m, results.get('stpipe_depth1_profile', {})).items() if k != 'traceback'})}")
+        if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd"):
+            gc.collect()
+    ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")
+    for r in results.values():
+        if ceiling and "steps_per_s" in r:
+            r["ratio_to_ceiling"] = r["steps_per_s"] / ceiling
+    log("")
+    log(f"{'method':<24}{'steps/s':>10}{'ms/step':>10}{'x ceiling':>11}{'GPU peak GB':>13}{'GPU used GB':>13}{'host RSS GB':>13}")
+    for name, r in results.items():
+        if "steps_per_s" not in r:
+            log(f"{name:<24}  {r.get('skipped') or r.get('error')}")
+            continue
+        log(f"{name:<24}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r.get('ratio_to_ceiling', float('nan')):>11.2f}"
+            f"{r['gpu_peak_alloc_gb']:>13.2f}{r['gpu_used_gb']:>13.2f}{r['host_rss_gb']:>13.2f}")
+    prof = results.get("stpipe_depth1_profile", {}).get("profile_ms")
+    if prof:
+        log("stpipe depth 1 profile (median ms/step, synchronised phases): "
+            + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in prof.items()))
+    if args.out:
+        with open(os.path.join(args.out, "train_skipgram.json"), "w") as f:
+            json.dump({"info": info, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""GPU tests of the pipeline (``-m gpu``): copy stream, events, pinned tables, async write-back.
+
+Same claims as the CPU suite, on CUDA and at sizes where transfers really overlap compute:
+pipelined (depth 1, 2) == sequential (depth 0) bit for bit, SGD == nn.Embedding exactly,
+Adam ~ SparseAdam, failures leave the tables whole. Skipped cleanly without CUDA.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from stpipe.embedding import HostEmbedding
+from stpipe.pipeline import Pipeline
+
+pytestmark = pytest.mark.gpu
+
+NUM_ROWS = 200_000
+DIM = 64
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
+    "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True, momentum=0.9),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=0.05, t0=5),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=0.01),
+}
+
+
+def batches(pattern, steps=30, n=4096, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(steps):
+        if pattern == "zipf":
+            ids = (rng.zipf(1.2, size=n) - 1) % NUM_ROWS
+        elif pattern == "identical":
+            ids = np.arange(n) % 3000
+        elif pattern == "sliding":
+            ids = np.arange(i * 512, i * 512 + n)
+        elif pattern == "empty":
+            ids = np.empty(0, np.int64) if i % 4 == 2 else rng.integers(0, 5000, n)
+        else:
+            raise ValueError(pattern)
+        out.append({"ids": torch.from_numpy(ids.astype(np.int64)),
+                    "target": torch.from_numpy(rng.standard_normal(len(ids)).astype(np.float32))})
+    return out
+
+
+def loss_fn(rows, target):
+    coef = torch.linspace(-1, 1, rows.shape[-1], device=rows.device, dtype=rows.dtype)
+    pred = (torch.tanh(rows) * coef).sum(-1)
+    return ((pred - target.to(rows.device, rows.dtype)) ** 2).sum()
+
+
+def make_emb(cuda_device, seed=1, **kw):
+    return HostEmbedding(NUM_ROWS, DIM, device=cuda_device, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def snapshot(emb, opt):
+    out = {"table": emb.table.tensor().clone()}
+    for key, t in emb.state_tables.items():
+        out["state:" + key] = t.tensor().clone()
+    for key, v in opt.state.get(emb.weight, {}).items():
+        if key not in emb.state_tables:
+            out["scalar:" + key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), f"{k}: max diff {(a[k].double() - b[k].double()).abs().max()}"
+        else:
+            assert a[k] == b[k], k
+
+
+def train(cuda_device, depth, opt_name, data, fail_at=(), skip=()):
+    emb = make_emb(cuda_device)
+    opt = OPTIMIZERS[opt_name](emb.parameters())
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        for step in pipe.run(b for i, b in enumerate(data) if i not in skip):
+            try:
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if step.index in fail_at:
+                        raise KeyError("boom")
+            except KeyError:
+                pass
+    return snapshot(emb, opt)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(prev)
+
+
+@pytest.mark.parametrize("pattern", ["zipf", "identical", "sliding", "empty"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_gpu_pipelined_equals_sequential(cuda_device, opt_name, pattern):
+    data = batches(pattern)
+    ref = train(cuda_device, 0, opt_name, data)
+    for depth in (1, 2):
+        assert_same(ref, train(cuda_device, depth, opt_name, data))
+
+
+def test_gpu_tables_are_pinned_and_rows_on_device(cuda_device):
+    emb = make_emb(cuda_device)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    with Pipeline(emb, optimizer=opt, ids="ids") as pipe:
+        for step in pipe.run(batches("zipf", steps=3)):
+            with step:
+                assert emb.weight.device.type == "cuda"
+                assert opt.state.get(emb.weight, {}).get("exp_avg", emb.weight).device.type == "cuda"
+                loss_fn(emb(step.ids), step.batch["target"]).backward()
+                opt.step()
+                opt.zero_grad()
+    assert emb.table.pinned
+    assert all(t.pinned for t in emb.state_tables.values())
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_gpu_sgd_matches_nn_embedding(cuda_device, depth):
+    data = batches("zipf", steps=20)
+    emb = make_emb(cuda_device)
+    ref = torch.nn.Embedding(NUM_ROWS, DIM, device=cuda_device)
+    with torch.no_grad():
+        ref.weight.copy_(emb.table.tensor())
+    opt = torch.optim.SGD(emb.parameters(), lr=0.05)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        for step in pipe.run(data):
+            with step:
+                loss_fn(emb(step.ids), step.batch["target"]).backward()
+                opt.step()
+                opt.zero_grad()
+    for b in data:
+        loss_fn(ref(b["ids"].to(cuda_device)), b["target"]).backward()
+        ropt.step()
+        ropt.zero_grad()
+    got, want = emb.table.tensor(), ref.weight.detach().cpu()
+    # exact where nn.Embedding's CUDA backward sums duplicates in the same order as ours;
+    # report the largest difference otherwise
+    assert torch.equal(got, want), f"max diff {(got - want).abs().max()}"
+
+
+def test_gpu_adam_matches_sparse_adam(cuda_device):
+    data = batches("zipf", steps=20)
+    emb = make_emb(cuda_device)
+    ref = torch.nn.Embedding(NUM_ROWS, DIM, sparse=True, device=cuda_device)
+    with torch.no_grad():
+        ref.weight.copy_(emb.table.tensor())
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    ropt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=1) as pipe:
+        for step in pipe.run(data):
+            with step:
+                loss_fn(emb(step.ids), step.batch["target"]).backward()
+                opt.step()
+                opt.zero_grad()
+    for b in data:
+        loss_fn(ref(b["ids"].to(cuda_device)), b["target"]).backward()
+        ropt.step()
+        ropt.zero_grad()
+    torch.testing.assert_close(emb.table.tensor(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_gpu_failed_step_writes_nothing(cuda_device, depth):
+    data = batches("zipf", steps=16)
+    ref = train(cuda_device, 0, "adam", data, skip=(0, 7, 8))
+    got = train(cuda_device, depth, "adam", data, fail_at=(0, 7, 8))
+    assert_same(ref, got)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_gpu_prefetch_failure_is_reraised(cuda_device, depth, monkeypatch):
+    data = batches("zipf", steps=12)
+    ref = train(cuda_device, 0, "adam", data[:6])
+    emb = make_emb(cuda_device)
+    opt = OPTIMIZERS["adam"](emb.parameters())
+    real = emb.table.gather
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        if threading.current_thread().name.startswith("stpipe-prefetch"):
+            calls["n"] += 1
+            if calls["n"] == 7:
+                raise RuntimeError("injected")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(emb.table, "gather", flaky)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        with pytest.raises(RuntimeError, match="injected") as info:
+            for step in pipe.run(data):
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+    assert any("gathering batch 6" in n for n in info.value.__notes__)
+    assert_same(ref, snapshot(emb, opt))
+
+
+def test_gpu_two_tables_two_fields(cuda_device):
+    rng = np.random.default_rng(0)
+    data = [{"c": torch.from_numpy((rng.zipf(1.2, 512) - 1) % NUM_ROWS),
+             "x": torch.from_numpy((rng.zipf(1.2, (512, 20)) - 1) % NUM_ROWS)} for _ in range(20)]
+
+    def run(depth):
+        e_in, e_out = make_emb(cuda_device, 2), make_emb(cuda_device, 3)
+        opt = torch.optim.Adam(list(e_in.parameters()) + list(e_out.parameters()), lr=0.01)
+        with Pipeline({"in": e_in, "out": e_out}, optimizer=opt, depth=depth,
+                      ids=lambda b: {"in": b["c"], "out": (b["x"][:, :4], b["x"][:, 4:])}) as pipe:
+            for step in pipe.run(data):
+                with step:
+                    p, n = step.ids["out"]
+                    u = e_in(step.ids["in"])
+                    s = (u.unsqueeze(1) * torch.cat([e_out(p), -e_out(n)], 1)).sum(-1)
+                    (-torch.nn.functional.logsigmoid(s).sum()).backward()
+                    opt.step()
+                    opt.zero_grad()
+        return snapshot(e_in, opt), snapshot(e_out, opt)
+
+    ref = run(0)
+    for depth in (1, 2):
+        got = run(depth)
+        assert_same(ref[0], got[0])
+        assert_same(ref[1], got[1])
