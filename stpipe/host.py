@@ -857,8 +857,10 @@ def _read_header(f: Any, path: str) -> Tuple[Tuple[int, int], torch.dtype, int]:
             )
     except StpipeValueError:
         raise
-    except (ValueError, SyntaxError, TypeError) as exc:
-        raise StpipeValueError(f"{path}: corrupted .npy header: {exc}") from None
+    except Exception as exc:  # numpy versions differ in what a bad header raises
+        raise StpipeValueError(
+            f"{path}: corrupted .npy header ({type(exc).__name__}: {exc})"
+        ) from None
     offset = f.tell()
     if dt.hasobject:
         raise StpipeTypeError(

@@ -148,6 +148,7 @@ class CupyBackend:
         self._kernels: Dict[Tuple[int, str, int], object] = {}
         self._sms: Dict[int, int] = {}
         self._checked: Dict[Tuple[int, int], bool] = {}
+        self._streams: Dict[Tuple[int, int], object] = {}
 
     def _kernel(self, device: int, op: str, word: int):
         key = (device, op, word)
@@ -164,6 +165,16 @@ class CupyBackend:
             self._sms[device] = cp.cuda.Device(device).attributes["MultiProcessorCount"]
             self._kernels[key] = k
         return k
+
+    def _stream(self, index: int, stream: "torch.cuda.Stream"):
+        """A CuPy view of the torch stream (cached per handle: made once, no copy)."""
+        key = (index, int(stream.cuda_stream))
+        got = self._streams.get(key)
+        if got is None:
+            cp = self._cp
+            got = cp.cuda.ExternalStream(key[1], index)
+            self._streams[key] = got
+        return got
 
     def _launch(self, op: str, table: torch.Tensor, ids: IndexBatch, dev_buf: torch.Tensor,
                 stream: "torch.cuda.Stream") -> None:
@@ -189,7 +200,7 @@ class CupyBackend:
         args = (np.uint64(tptr), np.uint64(id_t.data_ptr()), np.uint64(bptr),
                 np.int64(total), np.int64(words))
         with cp.cuda.Device(index):
-            kernel((blocks,), (threads,), args, stream=cp.cuda.ExternalStream(stream.cuda_stream))
+            kernel((blocks,), (threads,), args, stream=self._stream(index, stream))
 
     def gather(self, table: torch.Tensor, ids: IndexBatch, out: torch.Tensor,
                stream: "torch.cuda.Stream") -> None:
