@@ -183,6 +183,10 @@ def fresh_row_state(
     dummy.grad = torch.zeros_like(dummy)
     probe = _probe(optimizer, group, dummy)
     recorder = _FirstValueDict()
+    # some optimizers create their state in __init__ (Adagrad's ``sum`` and ``step`` on
+    # torch <= 2.11) and their step() expects it: those first values are the fresh ones
+    for key, value in probe.state.get(dummy, {}).items():
+        recorder[key] = value
     probe.state = defaultdict(dict)
     probe.state[dummy] = recorder
     try:

@@ -207,3 +207,52 @@ def test_fresh_rows_get_fresh_state_in_tables():
     step_size = emb.state_tables["step_size"].tensor()
     assert torch.all(step_size[untouched] == torch.tensor(0.02))
     assert not torch.all(step_size[seen] == torch.tensor(0.02))
+
+
+class _EagerAccumulator(torch.optim.Optimizer):
+    """Creates its per-row state in ``__init__`` and needs it in ``step`` (like torch 2.11's
+    Adagrad, whose ``step`` raises ``KeyError: 'sum'`` on a parameter with no state)."""
+
+    def __init__(self, params, lr=0.1, initial=0.5):
+        super().__init__(params, dict(lr=lr, initial=initial))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["acc"] = torch.full_like(p, group["initial"])
+                self.state[p]["step"] = torch.tensor(0.0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                acc = state["acc"]  # KeyError when the state was not created in __init__
+                state["step"] += 1
+                acc.add_(p.grad * p.grad)
+                p.sub_(group["lr"] * p.grad / acc.sqrt())
+
+
+def test_fresh_row_state_of_optimizer_with_eager_state():
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    opt = _EagerAccumulator([p], initial=0.25)
+    fresh = fresh_row_state(opt, p, keys=["acc"])
+    torch.testing.assert_close(fresh["acc"], torch.full((4,), 0.25))
+
+
+def test_pipeline_trains_optimizer_with_eager_state():
+    emb = HostEmbedding(num_rows=50, dim=4, init="normal")
+    opt = _EagerAccumulator(emb.parameters(), initial=0.25)
+    batches = [{"ids": torch.tensor([1, 2, 2])}, {"ids": torch.tensor([2, 7])}]
+    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=1) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    acc = emb.state_tables["acc"].tensor()
+    # row 7 first appears in the second batch: it starts from the fresh 0.25, gets grad 1
+    torch.testing.assert_close(acc[7], torch.full((4,), 1.25))
+    # row 2: grad 2 (twice in batch 1), then grad 1 (batch 2)
+    torch.testing.assert_close(acc[2], torch.full((4,), 0.25 + 4.0 + 1.0))
+    torch.testing.assert_close(acc[0], torch.full((4,), 0.25))  # never touched

