@@ -692,6 +692,13 @@ class HostTable:
 
     # -- movement --------------------------------------------------------------------
     def _ids(self, ids: Any) -> IndexBatch:
+        if isinstance(ids, IndexBatch):
+            # the pipeline builds one per batch and table from plan.unique and shares it
+            # between the table and its optimizer-state tables, so the ids are sort-checked
+            # and uploaded once; the range check against this table stays (O(1) when sorted)
+            if not ids.is_sorted or (len(ids) and (ids.host[0] < 0 or ids.host[-1] >= self.num_rows)):
+                check_ids(ids.host, self.num_rows)  # raises with the first bad id
+            return ids
         arr = check_ids(ids, self.num_rows)
         if arr.ndim != 1:
             raise StpipeValueError(

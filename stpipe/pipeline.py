@@ -90,6 +90,7 @@ import torch
 
 from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
+from .kernels import IndexBatch
 from .planner import Plan, as_index_array, check_ids, overlap
 from .planner import plan as _plan
 
@@ -124,10 +125,20 @@ class _TableFlight:
     single: bool
     part_inverse: List[torch.Tensor] = field(default_factory=list)  # device, each part's shape
     keys: Tuple[str, ...] = ()  # state keys gathered into the slot
+    _rows: Optional[IndexBatch] = field(default=None, repr=False)
 
     @property
     def k(self) -> int:
         return self.plan.num_unique
+
+    @property
+    def rows(self) -> IndexBatch:
+        """``plan.unique`` as one IndexBatch shared by every gather and scatter of this
+        table's part of the batch (rows and each state key), so the ids are sort-checked
+        once and uploaded once to the copy stream, where all of those transfers run."""
+        if self._rows is None:
+            self._rows = IndexBatch(host=self.plan.unique, is_sorted=True)
+        return self._rows
 
 
 class _Flight:
@@ -706,16 +717,16 @@ class Pipeline:
                 slots = self._slots[name]
                 slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
                 if k:
-                    self._gather_into(emb.table, tf.plan.unique, slots.rows[flight.slot][:k])
+                    self._gather_into(emb.table, tf.rows, slots.rows[flight.slot][:k])
                     for key in keys:
-                        self._gather_into(rs.tables[key], tf.plan.unique, slots.state[flight.slot][key][:k])
+                        self._gather_into(rs.tables[key], tf.rows, slots.state[flight.slot][key][:k])
                 tf.keys = tuple(keys)
                 self.stats["rows_gathered"] += k
             if self._cuda:
                 flight.ready = torch.cuda.Event()
                 flight.ready.record(cs)
 
-    def _gather_into(self, table: Any, unique: np.ndarray, out: torch.Tensor) -> None:
+    def _gather_into(self, table: Any, unique: Union[np.ndarray, IndexBatch], out: torch.Tensor) -> None:
         res = table.gather(unique, out=out, stream=self._copy_stream)
         if res is not None and (res.data_ptr() != out.data_ptr() or res.shape != out.shape):
             out.copy_(res, non_blocking=True)
@@ -763,7 +774,7 @@ class Pipeline:
                         slots.ensure(f.slot, tf.k, emb.row_state.keys, (cs, compute))
                         if tf.k:
                             for key in keys:
-                                self._gather_into(emb.row_state.tables[key], tf.plan.unique,
+                                self._gather_into(emb.row_state.tables[key], tf.rows,
                                                   slots.state[f.slot][key][:tf.k])
                         tf.keys = tuple(emb.row_state.keys)
                     if self._cuda:
@@ -915,9 +926,9 @@ class Pipeline:
                         continue
                     emb = self.tables[name]
                     rows, sv = views[name]
-                    emb.table.scatter(tf.plan.unique, rows, stream=cs, assume_unique=True)
+                    emb.table.scatter(tf.rows, rows, stream=cs, assume_unique=True)
                     for key, buf in sv.items():
-                        emb.row_state.tables[key].scatter(tf.plan.unique, buf, stream=cs, assume_unique=True)
+                        emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
             self._inflight.pop(f.index, None)
 
 

@@ -438,3 +438,17 @@ def test_import_does_not_load_optional_backends():
             "bad = [m for m in ('cupy', 'numba') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+
+def test_index_batch_is_trusted_but_range_checked():
+    """A prebuilt IndexBatch (the pipeline's) skips re-validation, not the range check."""
+    from stpipe.kernels import IndexBatch
+
+    t = HostTable(100, 4, device="cpu", pin=False).uniform_(-1, 1)
+    batch = IndexBatch(host=np.array([3, 5, 99], dtype=np.int64), is_sorted=True)
+    assert t._ids(batch) is batch
+    torch.testing.assert_close(t.gather(batch), t.tensor()[[3, 5, 99]])
+    small = HostTable(50, 4, device="cpu", pin=False)
+    with pytest.raises(IndexError, match="row id 99"):
+        small.gather(batch)
