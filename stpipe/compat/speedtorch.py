@@ -1303,6 +1303,19 @@ class CPUPytorchOptimizerFactory(PytorchOptimizerFactory):
 # ---------------------------------------------------------------------------------------
 # DataGadget
 # ---------------------------------------------------------------------------------------
+def _distinct(flat: np.ndarray, ids_dev: Optional[torch.Tensor] = None) -> bool:
+    """True when the ``(n,)`` ids hold no repeat (sorted on the GPU when there is one)."""
+    n = flat.shape[0]
+    if n < 2 or bool(np.all(flat[1:] > flat[:-1])):
+        return True
+    if ids_dev is None and _cuda.cuda_available():
+        ids_dev = _ids_tensor(flat, _cuda_device())
+    if ids_dev is not None:
+        s = torch.sort(ids_dev).values
+        return not bool((s[1:] == s[:-1]).any())  # reads one flag back
+    return int(np.unique(flat).shape[0]) == n
+
+
 def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
     """CuPy-style indexes (array, list, tensor, int, slice) → checked ids of their shape."""
     if isinstance(indexes, slice):
@@ -1360,8 +1373,7 @@ class DataGadget:
     def getData(self, indexes: Any) -> torch.Tensor:
         """Rows ``indexes`` (array/list/tensor of any shape, an int or a slice) as a tensor
         of shape ``indexes.shape + row_shape`` on the current CUDA device (CPU without
-        CUDA). From a pinned host table each distinct row is read once (ascending
-        ids) and the result is expanded on the device.
+        CUDA), in the order asked (a repeated id is read again, as a read has no conflict).
 
         Streams: runs on the current stream; no device-wide sync.
 
@@ -1370,16 +1382,18 @@ class DataGadget:
         """
         store = self._require()
         ids = _gadget_ids(indexes, store.num_rows)
-        lay = _Layout(ids.reshape(-1), store.num_rows, dedup=False)
-        rows = lay.gather(store, self._device())
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        rows = store.gather(flat, self._device())
         return rows.view(tuple(ids.shape) + self._shape[1:])
 
     def insertData(self, dataObject: Any, indexes: Any) -> None:
         """Write ``dataObject`` (a tensor of shape ``indexes.shape + row_shape`` or
         ``(n, *row_shape)``, any device) into rows ``indexes``. Where an id repeats, its
-        last occurrence is written (SpeedTorch kept one at random).
+        last occurrence is written, once (SpeedTorch kept one at random).
 
-        Streams: reads ``dataObject`` on the current stream of its device.
+        Streams: reads ``dataObject`` on the current stream of its device. Checking the
+        ids for repeats reads one flag back from the GPU (a wait on the current stream,
+        not the device).
 
         Raises:
             IndexError: an id out of range. ValueError: a shape that does not fit.
@@ -1398,7 +1412,14 @@ class DataGadget:
         rows = dataObject.reshape(n, store.dim)
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
-        _Layout(ids.reshape(-1), store.num_rows, dedup=False).scatter(store, rows)
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        ids_dev = None
+        if isinstance(store, _TensorStore) and store.device.type == "cuda":
+            ids_dev = _ids_tensor(flat, store.device)
+        if _distinct(flat, ids_dev):
+            store.scatter(flat, rows, ids_dev)
+        else:
+            _Layout(flat, store.num_rows, dedup=False).scatter(store, rows)
 
     def saveCupy(self, saveFileName: PathLike) -> None:
         """Save the table as ``.npy`` (``.npy`` appended if missing), atomically."""
