@@ -47,6 +47,7 @@ class _Part:
 
     ids: Any
     inverse: torch.Tensor  # int64 on the device, the ids' shape
+    alias: Any = None  # the ids' copy in the step's moved batch (step.batch), if any
 
 
 @dataclass
@@ -222,6 +223,57 @@ class HostEmbedding(nn.Module):
     def _bind(self, binding: Optional[_Binding]) -> None:
         self._binding = binding
 
+    # -------------------------------------------------------------- checkpoints
+    def host_state_dict(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """The table, its per-row optimizer state and the optimizer's scalar state.
+
+        What :meth:`state_dict` leaves out (it can be tens of GB): the host table and the
+        state tables as *views* (no copy), plus the optimizer's hyper-parameters and
+        scalar state; see :func:`stpipe.checkpoint.state_dict`. Write it to disk with
+        :meth:`save_checkpoint` (streamed, no second copy in RAM).
+
+        Args:
+            optimizer: the optimizer training this table (default: the one bound to it).
+
+        Raises:
+            StpipeRuntimeError: called inside a step.
+        """
+        from . import checkpoint
+
+        return checkpoint.state_dict(self, optimizer)
+
+    def load_host_state_dict(self, state: Dict[str, Any],
+                             optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Load :meth:`host_state_dict` output (see :func:`stpipe.checkpoint.load_state_dict`)."""
+        from . import checkpoint
+
+        checkpoint.load_state_dict(self, state, optimizer)
+
+    def save_checkpoint(self, path: Any, optimizer: Optional[torch.optim.Optimizer] = None,
+                        extra: Any = None) -> str:
+        """Write a checkpoint directory (see :func:`stpipe.checkpoint.save`)."""
+        from . import checkpoint
+
+        return checkpoint.save(path, self, optimizer, extra)
+
+    def load_checkpoint(self, path: Any, optimizer: Optional[torch.optim.Optimizer] = None,
+                        *, verify: str = "first") -> Any:
+        """Load a checkpoint directory; returns its ``extra`` (see :func:`stpipe.checkpoint.load`)."""
+        from . import checkpoint
+
+        return checkpoint.load(path, self, optimizer, verify=verify)
+
+    def _restore_row_state(self, discovered: bool, keys: Tuple[str, ...], scalar_keys: Tuple[str, ...],
+                           tables: Dict[str, Any]) -> None:
+        """Install per-row state loaded from a checkpoint into the bound :class:`RowState`."""
+        rs = self._row_state
+        if rs is None:
+            return
+        rs.tables = dict(tables)
+        rs.scalar_keys = tuple(scalar_keys)
+        rs.keys = tuple(keys)
+        rs.discovered = bool(discovered)
+
     # -------------------------------------------------------------------- forward
     def lookup(self, ids: Any) -> torch.Tensor:
         """Read rows of global ids from the host table (no gradient, no prefetch).
@@ -256,7 +308,7 @@ class HostEmbedding(nn.Module):
         if b is None:
             return self.lookup(ids)
         for part in b.parts:
-            if part.ids is ids:
+            if part.ids is ids or (part.alias is not None and part.alias is ids):
                 return F.embedding(part.inverse, self.weight)
         return F.embedding(self._locate(b, ids), self.weight)
 

@@ -124,6 +124,7 @@ class _TableFlight:
     parts: List[Any]  # the ids objects (one, or several planned together)
     single: bool
     part_inverse: List[torch.Tensor] = field(default_factory=list)  # device, each part's shape
+    aliases: List[Any] = field(default_factory=list)  # each part's copy in the moved batch (or None)
     keys: Tuple[str, ...] = ()  # state keys gathered into the slot
     _rows: Optional[IndexBatch] = field(default=None, repr=False)
 
@@ -153,6 +154,12 @@ class _Flight:
         self.ready = None  # torch.cuda.Event on the copy stream
         self.overlaps: Dict[int, Dict[Any, Tuple[torch.Tensor, torch.Tensor]]] = {}
         self.plan_s = 0.0
+        # the batch as the iterable gave it (kept alive until the step ends) and, when it
+        # was moved to the device, the copies made and the event after them (copy stream)
+        self.source = batch
+        self.copies: List[torch.Tensor] = []
+        self.batch_event = None
+        self.claimed: List[Any] = []  # streams that already waited on batch_event
 
 
 @dataclass
@@ -269,6 +276,12 @@ class Step:
 
     @property
     def batch(self) -> Any:
+        """The batch, its tensors on the pipeline's device (moved ahead on the copy stream).
+
+        The caller's current stream waits for the copies (no host sync) the first time it
+        reads the batch; see :meth:`Pipeline.run`.
+        """
+        self._pipe._claim_batch(self._flight)
         return self._flight.batch
 
     @property
@@ -390,6 +403,7 @@ class Pipeline:
         self._run: Optional[_Run] = None
         self._closed = False
         self._compute_stream = None
+        self._to_device = True
         self._bind_optimizers()
 
     # ------------------------------------------------------------------ set-up
@@ -443,12 +457,26 @@ class Pipeline:
         raise StpipeTypeError(f"ids= must be None, a key, a callable or a dict, got {type(ids).__name__}")
 
     # -------------------------------------------------------------- public API
-    def run(self, iterable: Iterable[Any]) -> Iterator[Step]:
+    def run(self, iterable: Iterable[Any], *, to_device: bool = True) -> Iterator[Step]:
         """Yield one :class:`Step` per batch of ``iterable``; batches are read ahead.
+
+        The ids of each batch (``ids=``) go to the planner; the batch itself (every tensor
+        in any nesting of dicts, lists, tuples, namedtuples, dataclasses) is copied to the
+        pipeline's device ahead of its step, so ``step.batch`` holds device tensors.
+
+        Streams (CUDA): the copies run on the pipeline's copy stream, issued by the
+        prefetch thread (by the training thread at depth 0) before the batch's gather;
+        pageable tensors are pinned first in that thread (pass ``pin_memory=True`` to the
+        ``DataLoader`` to spare it). No host sync: entering the step (or reading
+        ``step.batch``) makes the current stream wait on the batch's event, and every copy
+        is ``record_stream``-ed on it. The source batch is kept alive until the step
+        ends. Tensors already on the device pass through. On CPU nothing moves.
 
         Args:
             iterable: any iterable of batches (a ``DataLoader``, its iterator, a list, a
                 generator).
+            to_device: move the batch to the device (default); ``False`` hands
+                ``step.batch`` out as the iterable gave it.
 
         Returns:
             An iterator of steps; use each as ``with step: ...``.
@@ -459,6 +487,7 @@ class Pipeline:
         """
         self._check_open()
         it = iter(iterable)
+        self._to_device = bool(to_device)
         return self._steps(it)
 
     def close(self) -> None:
@@ -483,6 +512,60 @@ class Pipeline:
                 sync = getattr(t, "synchronize", None)
                 if callable(sync):
                     sync()
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Tables, per-row optimizer state, optimizer hyper-parameters and scalar state.
+
+        Between steps, also with batches in flight: it first waits for every write-back
+        issued so far, so the host tables hold every finished step and nothing stale. The
+        tables are views (no copy); see :func:`stpipe.checkpoint.state_dict`.
+
+        Raises:
+            StpipeRuntimeError: called inside a step.
+        """
+        from . import checkpoint
+
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load :meth:`state_dict` output, checked first (see :func:`stpipe.checkpoint.load_state_dict`).
+
+        Raises:
+            StpipeValueError: other table names/shapes/dtypes or optimizer classes.
+            StpipeRuntimeError: a run is active (finish or close it first).
+        """
+        from . import checkpoint
+
+        checkpoint.load_state_dict(self, state)
+
+    def save_checkpoint(self, path: Any, extra: Any = None) -> str:
+        """Write an atomic checkpoint directory at ``path`` (see :func:`stpipe.checkpoint.save`).
+
+        Returns:
+            The absolute path written.
+        """
+        from . import checkpoint
+
+        return checkpoint.save(path, self, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, verify: str = "first") -> Any:
+        """Load the checkpoint at ``path`` before a run (see :func:`stpipe.checkpoint.load`).
+
+        Returns:
+            The ``extra`` given when saving.
+        """
+        from . import checkpoint
+
+        return checkpoint.load(path, self, verify=verify)
+
+    def _after_load(self, stats: Any) -> None:
+        """Forget staging buffers (state dtypes may have changed); restore the counters."""
+        self._slots = {name: _Slots(emb, self._num_slots) for name, emb in self.tables.items()}
+        if isinstance(stats, Mapping):
+            for k, v in stats.items():
+                if k in self.stats and isinstance(v, int):
+                    self.stats[k] = v
 
     def __enter__(self) -> "Pipeline":
         self._check_open()
@@ -674,7 +757,68 @@ class Pipeline:
                     out.append(inv[start:start + n].view(shape))
                     start += n
                 tf.part_inverse = out
+        if self._cuda and self._to_device:
+            run.where = f"copying batch {idx} to {self.device}"
+            self._move_batch(flight)
+        for tf in flight.tables.values():
+            tf.aliases = [getattr(flight, "_alias", {}).get(id(x)) if torch.is_tensor(x) else None
+                          for x in tf.parts]
         return flight
+
+    def _move_batch(self, flight: _Flight) -> None:
+        """Copy the batch's tensors to the device (prefetch thread, or training at depth 0).
+
+        Stream: the copy stream, ``non_blocking``; pageable CPU tensors are pinned here
+        first; ``flight.batch_event`` is recorded after the copies. The copies are
+        allocated on the copy stream and ``record_stream``-ed on each consumer stream by
+        :meth:`_claim_batch`. A tensor seen twice is copied once (aliasing kept); the
+        planned id tensors' copies are remembered so ``emb(step.batch[...])`` takes the
+        fast path.
+        """
+        from .loader import _map_tensors
+
+        device = self.device
+        seen: Dict[int, torch.Tensor] = {}
+        copies: List[torch.Tensor] = []
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            if t.device == device:
+                return t
+            hit = seen.get(id(t))
+            if hit is not None:
+                return hit
+            src = t.detach()
+            if src.device.type == "cpu" and not src.is_pinned():
+                src = src.pin_memory()
+            out = src.to(device, non_blocking=True)
+            seen[id(t)] = out
+            copies.append(out)
+            return out
+
+        with torch.cuda.device(device), torch.cuda.stream(self._copy_stream):
+            flight.batch = _map_tensors(to_device, flight.source)
+            if copies:
+                ev = torch.cuda.Event()
+                ev.record(self._copy_stream)
+                flight.batch_event = ev
+        flight.copies = copies
+        flight._alias = seen  # type: ignore[attr-defined]
+
+    def _claim_batch(self, flight: _Flight) -> None:
+        """Order the caller's current stream after the batch's copies (no host sync).
+
+        The current stream waits on ``flight.batch_event`` and every copy is
+        ``record_stream``-ed on it, once per stream.
+        """
+        if flight.batch_event is None:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        if any(s == cur for s in flight.claimed):
+            return
+        cur.wait_event(flight.batch_event)
+        for t in flight.copies:
+            t.record_stream(cur)
+        flight.claimed.append(cur)
 
     def _issue(self, flight: _Flight, run: _Run) -> None:
         """Overlaps with the batches in flight (off the lock), then the gather (under it)."""
@@ -784,6 +928,7 @@ class Pipeline:
             if self._profile:
                 f.ready.synchronize()
             compute.wait_event(f.ready)
+            self._claim_batch(f)
         for name, tf in f.tables.items():
             emb = self.tables[name]
             slots = self._slots[name]
@@ -796,7 +941,9 @@ class Pipeline:
             if rs is not None:
                 step._snaps[name] = rs.snapshot()
                 rs.install({key: slots.state[f.slot][key][:k] for key in tf.keys})
-            emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv) for x, inv in zip(tf.parts, tf.part_inverse)],
+            emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
+                                      for x, inv, a in zip(tf.parts, tf.part_inverse,
+                                                           tf.aliases or [None] * len(tf.parts))],
                                unique=tf.plan.unique))
         t1 = time.perf_counter()
         step._t_enter = t1
