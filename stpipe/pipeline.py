@@ -64,6 +64,12 @@ the training thread, in batch order, with a note naming the thread and what it w
 (same exception object and type; Python 3.10 gets a :class:`~stpipe.StpipeRuntimeError`
 wrapping it). The run then ends; the pipeline can start another run or close.
 
+Batches and checkpoints. ``run`` copies each batch's tensors to the device on the copy
+stream ahead of its step (see :meth:`Pipeline.run`). :meth:`Pipeline.save_checkpoint` /
+:meth:`Pipeline.load_checkpoint` (and ``state_dict`` / ``load_state_dict``) save and
+restore tables, per-row and scalar optimizer state between steps, also with batches in
+flight (it waits for the write-backs); see :mod:`stpipe.checkpoint`.
+
 Depth 0 is the strict sequence (plan, gather, step, scatter, next) in the training thread,
 the reference of the tests.
 

@@ -320,6 +320,33 @@ def test_flipped_byte_is_a_checksum_error(saved):
         pipe.load_checkpoint(path, verify="stream")
 
 
+def test_many_chunks_checksummed_on_threads(tmp_path, monkeypatch):
+    """Small chunks and no inline CRCs: the threaded, multi-chunk paths (as for big tables)."""
+    monkeypatch.setattr(ckpt, "_CHUNK", 4096)
+    monkeypatch.setattr(ckpt, "_CRC_INLINE", 0)
+    emb, opt, sched, pipe = make("adam", 1)
+    with pipe:
+        train_steps(pipe, emb, opt, sched, make_batches(3))
+        path = pipe.save_checkpoint(tmp_path / "ck")
+    want = snapshot(emb, opt)
+    assert len(ckpt.read_manifest(path)["files"][os.path.basename(_table_file(path))]["crc32"]) == 1 + 8
+    for verify in ("first", "stream"):
+        emb2, opt2, pipe2 = _fresh()
+        pipe2.load_checkpoint(path, verify=verify)
+        got = snapshot(emb2, opt2)
+        got["lr"] = want["lr"]  # the scheduler is not part of this checkpoint
+        assert_same(got, want)
+    f = _table_file(path)
+    with open(f, "r+b") as fh:
+        fh.seek(os.path.getsize(f) - 3 * 4096 - 5)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 1]))
+    for verify in ("first", "stream"):
+        with pytest.raises(StpipeValueError, match="checksum mismatch in the data chunk 4 "):
+            _fresh()[2].load_checkpoint(path, verify=verify)
+
+
 def test_truncated_and_missing_files(saved):
     path, _ = saved
     f = _table_file(path)
