@@ -15,6 +15,7 @@ from ._errors import (
     StpipeTypeError,
     StpipeValueError,
 )
+from . import checkpoint
 from .embedding import HostEmbedding
 from .host import HostTable
 from .loader import Prefetcher, prefetch
@@ -31,6 +32,7 @@ __all__ = [
     "Step",
     "prefetch",
     "Prefetcher",
+    "checkpoint",
     "Plan",
     "plan",
     "overlap",
