@@ -29,19 +29,17 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stpipe import BackendUnavailableError  # noqa: E402
 from stpipe.host import HostTable  # noqa: E402
+from stpipe._bench import _backends, _paths, _timer  # noqa: E402
 from stpipe.kernels import get_backend  # noqa: E402
 
 GB = 1e9
@@ -67,29 +65,6 @@ def rss_bytes() -> int:
         return 0
 
 
-def timer(fn: Callable[[], object], repeats: int, warmup: int, cuda: bool) -> float:
-    """Median seconds of ``fn`` (CUDA events on the current stream, or perf_counter)."""
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def make_ids(kind: str, rows: int, batch: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if kind == "uniform":
@@ -101,93 +76,12 @@ def make_ids(kind: str, rows: int, batch: int, seed: int = 0) -> np.ndarray:
     return np.unique(raw).astype(np.int64)
 
 
-def stpipe_backends(cuda: bool, wanted: Optional[List[str]]) -> Dict[str, str]:
-    """Backend name -> '' when it loads, else the reason it does not."""
-    names = wanted or (["torch", "cupy", "numba", "auto"] if cuda else ["torch"])
-    out = {}
-    for name in names:
-        try:
-            get_backend(name) if cuda else None
-            out[name] = ""
-        except BackendUnavailableError as exc:
-            out[name] = str(exc).split(";")[0]
-    return out
-
-
-def paths_for(table: HostTable, ids: np.ndarray, cuda: bool, backends: Dict[str, str],
-              wrappers: Dict[str, HostTable], gadget, log: Log) -> Dict[str, Dict[str, Callable]]:
-    """op -> path name -> zero-argument callable moving the batch ``ids``."""
-    dev = torch.device("cuda") if cuda else torch.device("cpu")
-    host = table.tensor()
-    k, dim, dtype = len(ids), table.dim, table.dtype
-    nbytes = k * dim * table.itemsize
-    idx = torch.from_numpy(ids)
-    out = torch.empty((k, dim), dtype=dtype, device=dev)
-    rows = torch.randn(k, dim, device=dev).to(dtype)
-    gather: Dict[str, Callable] = {}
-    scatter: Dict[str, Callable] = {}
-    if cuda:
-        pin_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        gather["limit"] = lambda: dev_buf.copy_(pin_src, non_blocking=True)
-        scatter["limit"] = lambda: pin_src.copy_(dev_buf, non_blocking=True)
-        gather["naive"] = lambda: host[idx].to(dev)
-
-        def naive_scatter():
-            host[idx] = rows.cpu()
-
-        scatter["naive"] = naive_scatter
-        stage = torch.empty((k, dim), dtype=dtype, pin_memory=True)
-
-        def is_gather():
-            torch.index_select(host, 0, idx, out=stage)
-            out.copy_(stage, non_blocking=True)
-
-        def is_scatter():
-            stage.copy_(rows, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            host.index_copy_(0, idx, stage)
-
-        gather["index_select"], scatter["index_select"] = is_gather, is_scatter
-        if gadget is not None:
-            gidx = ids.copy()
-            gather["speedtorch"] = lambda: gadget.getData(gidx)
-            scatter["speedtorch"] = lambda: gadget.insertData(rows, gidx)
-    else:
-        flat = host.reshape(-1).view(torch.uint8)
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        gather["limit"] = lambda: dst.copy_(flat[:nbytes])
-        scatter["limit"] = lambda: flat[:nbytes].copy_(dst)
-        gather["naive"] = lambda: host[idx]
-
-        def naive_scatter_cpu():
-            host[idx] = rows
-
-        scatter["naive"] = naive_scatter_cpu
-    for name, why in backends.items():
-        if why:
-            continue
-        t = wrappers[name]
-        gather[f"stpipe-{name}"] = (lambda t=t: t.gather(ids, out=out))
-        scatter[f"stpipe-{name}"] = (lambda t=t: t.scatter(ids, rows, assume_unique=True))
-    if "auto" in backends and not backends["auto"]:
-        # the pipeline's path: one IndexBatch per batch and table (ids sort-checked and
-        # uploaded once, shared by rows and state tables); here built once per batch, so the
-        # row shows the transfer without the public API's per-call id checks and upload
-        from stpipe.kernels import IndexBatch
-
-        t = wrappers["auto"]
-        planned = IndexBatch(host=ids, is_sorted=True)
-        gather["stpipe-auto-planned"] = lambda: t.gather(planned, out=out)
-        scatter["stpipe-auto-planned"] = lambda: t.scatter(planned, rows, assume_unique=True)
-    return {"gather": gather, "scatter": scatter}
-
-
 def run_point(table: HostTable, ids: np.ndarray, args, cuda: bool, backends, wrappers,
               gadget, log: Log, label: str, fields: dict, quiet: bool = False) -> List[dict]:
     k = len(ids)
     nbytes = k * table.dim * table.itemsize
-    paths = paths_for(table, ids, cuda, backends, wrappers, gadget, log)
+    usable = {name: wrappers[name] for name, why in backends.items() if not why}
+    paths = _paths(table, usable, ids, cuda, gadget)
     results = []
     if not quiet:
         log(f"\n[{label}] {k} unique rows x {table.dim} {str(table.dtype)[6:]} = "
@@ -199,7 +93,7 @@ def run_point(table: HostTable, ids: np.ndarray, args, cuda: bool, backends, wra
         for name, fn in paths[op].items():
             reps = args.repeats if name != "naive" else max(3, args.repeats // 3)
             try:
-                sec = timer(fn, reps, args.warmup, cuda)
+                sec = _timer(fn, reps, args.warmup, cuda)
             except Exception as exc:  # a path that fails is reported, not fatal
                 log(f"  {op} {name} failed: {type(exc).__name__}: {exc}")
                 continue
@@ -275,7 +169,7 @@ def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: 
             f"pinned={table.pinned}, created in {t_create:.2f} s, initialised in {t_init:.2f} s")
         log(f"host RSS growth {rss_growth / GB:.2f} GB = {info['rss_growth_x_table']:.3f} x "
             f"table bytes (target <= 1.05); GPU memory held by the table: {gpu_table} bytes")
-    backends = stpipe_backends(cuda, args.backends)
+    backends = _backends(cuda, args.backends)
     for name, why in backends.items():
         if why and not quiet:
             log(f"note: stpipe backend {name} skipped: {why}")

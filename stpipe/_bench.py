@@ -20,7 +20,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -85,14 +85,14 @@ def _timer(fn: Callable[[], object], repeats: int, warmup: int, cuda: bool) -> f
     return statistics.median(times)
 
 
-def _backends(cuda: bool) -> Dict[str, str]:
-    """Backend name -> '' when usable, else why not."""
+def _backends(cuda: bool, wanted: Optional[List[str]] = None) -> Dict[str, str]:
+    """Backend name -> '' when usable, else why not (``wanted``: names to try)."""
     if not cuda:
         return {"torch": ""}
     from .kernels import get_backend
 
     out = {}
-    for name in ("torch", "cupy", "numba", "auto"):
+    for name in wanted or ("torch", "cupy", "numba", "auto"):
         try:
             get_backend(name)
             out[name] = ""
@@ -121,13 +121,20 @@ def _speedtorch(table, folder: str, log):
 
 
 def _paths(table, wrappers, ids: np.ndarray, cuda: bool, gadget) -> Dict[str, Dict[str, Callable]]:
-    dev = torch.device("cuda" if cuda else "cpu")
+    """op -> path name -> zero-argument callable moving the batch ``ids``.
+
+    ``wrappers`` maps a usable stpipe backend name to a HostTable over the same memory.
+    Shared by ``python -m stpipe bench`` and ``benchmarks/transfer.py``.
+    """
+    from .kernels import IndexBatch
+
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
     host = table.tensor()
-    k, dim = len(ids), table.dim
-    nbytes = k * dim * 4
+    k, dim, dtype = len(ids), table.dim, table.dtype
+    nbytes = k * dim * table.itemsize
     idx = torch.from_numpy(ids)
-    out = torch.empty((k, dim), device=dev)
-    rows = torch.randn(k, dim, device=dev)
+    out = torch.empty((k, dim), dtype=dtype, device=dev)
+    rows = torch.randn(k, dim, device=dev).to(dtype)
     gather: Dict[str, Callable] = {}
     scatter: Dict[str, Callable] = {}
     if cuda:
@@ -141,7 +148,7 @@ def _paths(table, wrappers, ids: np.ndarray, cuda: bool, gadget) -> Dict[str, Di
             host[idx] = rows.cpu()
 
         scatter["naive"] = naive_scatter
-        stage = torch.empty((k, dim), pin_memory=True)
+        stage = torch.empty((k, dim), dtype=dtype, pin_memory=True)
 
         def is_gather():
             torch.index_select(host, 0, idx, out=stage)
@@ -171,6 +178,14 @@ def _paths(table, wrappers, ids: np.ndarray, cuda: bool, gadget) -> Dict[str, Di
     for name, t in wrappers.items():
         gather[f"stpipe-{name}"] = (lambda t=t: t.gather(ids, out=out))
         scatter[f"stpipe-{name}"] = (lambda t=t: t.scatter(ids, rows, assume_unique=True))
+    if "auto" in wrappers:
+        # the pipeline's path: one IndexBatch per batch and table (ids sort-checked and
+        # uploaded once, shared by rows and state tables); here built once per batch, so the
+        # row shows the transfer without the public API's per-call id checks and upload
+        t = wrappers["auto"]
+        planned = IndexBatch(host=ids, is_sorted=True)
+        gather["stpipe-auto-planned"] = lambda: t.gather(planned, out=out)
+        scatter["stpipe-auto-planned"] = lambda: t.scatter(planned, rows, assume_unique=True)
     return {"gather": gather, "scatter": scatter}
 
 
