@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _corpus
+from ._io import atomic_write
 from ._corpus import Corpus, CorpusError, Vocab
 
 __all__ = [
@@ -496,27 +496,10 @@ def save_vectors(path: str, words: Sequence[str], vectors: np.ndarray, **meta) -
     renamed into place, so an interruption leaves the old file (or none), never a
     partial one. ``meta`` values are stored as 0-d arrays (numbers or strings).
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".stpipe-", suffix=".npz.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, words=np.asarray(list(words), dtype=str),
-                     vectors=np.ascontiguousarray(vectors, dtype=np.float32),
-                     **{k: np.asarray(v) for k, v in meta.items()})
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600; give it a normal file's mode
-        os.replace(tmp, path)
-        tmp = None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    atomic_write(path, lambda fh: np.savez(
+        fh, words=np.asarray(list(words), dtype=str),
+        vectors=np.ascontiguousarray(vectors, dtype=np.float32),
+        **{k: np.asarray(v) for k, v in meta.items()}))
 
 
 def load_vectors(path: str) -> Tuple[List[str], np.ndarray, Dict[str, np.ndarray]]:

@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from typing import Any, Callable, List, Optional, Tuple, Union
 
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 from . import _cuda
+from ._io import atomic_write
 from ._errors import (
     BackendUnavailableError,
     StpipeRuntimeError,
@@ -593,38 +593,16 @@ class HostTable:
             OSError: the file cannot be written (the temporary file is removed).
         """
         self.synchronize()
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                header = {
-                    "descr": _NPY_DESCR[self.dtype],
-                    "fortran_order": False,
-                    "shape": (self.num_rows, self.dim),
-                }
-                np.lib.format.write_array_header_1_0(f, header)
-                flat = self._bytes.numpy()
-                step = _CHUNK_BYTES
-                for a in range(0, self.nbytes, step):
-                    f.write(memoryview(flat[a:a + step]))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        try:  # make the rename durable; not all filesystems allow opening a directory
-            dfd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
+        flat = self._bytes.numpy()
+        header = {"descr": _NPY_DESCR[self.dtype], "fortran_order": False,
+                  "shape": (self.num_rows, self.dim)}
+
+        def write(f) -> None:
+            np.lib.format.write_array_header_1_0(f, header)
+            for a in range(0, self.nbytes, _CHUNK_BYTES):
+                f.write(memoryview(flat[a:a + _CHUNK_BYTES]))
+
+        atomic_write(path, write)
 
     @staticmethod
     def read_header(path: Union[str, os.PathLike]) -> Tuple[Tuple[int, int], torch.dtype, int]:

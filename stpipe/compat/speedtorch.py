@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import tempfile
 import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -75,6 +74,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _cuda
+from .._io import atomic_write
 from .._errors import (
     BackendUnavailableError,
     StpipeIndexError,
@@ -452,20 +452,7 @@ def _npy_name(name: PathLike) -> str:
 
 def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
     """Write through ``write(file)`` into a temporary file, then rename it over ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, write)
 
 
 def _save_store_npy(store: Union[_TensorStore, _HostStore], path: str,
