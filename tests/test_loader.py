@@ -331,7 +331,10 @@ def test_queue_is_bounded():
 
     with prefetch(counting(), "cpu", depth=2) as p:
         next(p)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # give a loaded machine time to fill the queue
+        while len(fetched) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # then a while longer: the thread must stop there
         # depth queued + one waiting for room + the one handed out
         assert len(fetched) == 2 + 2
 
