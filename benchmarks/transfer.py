@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stpipe.host import HostTable  # noqa: E402
-from stpipe._bench import _backends, _paths, _timer  # noqa: E402
+from stpipe._bench import _backends, _paths, _speedtorch, _timer  # noqa: E402
 from stpipe.kernels import get_backend  # noqa: E402
 
 GB = 1e9
@@ -118,27 +118,6 @@ def run_point(table: HostTable, ids: np.ndarray, args, cuda: bool, backends, wra
     return results
 
 
-def load_speedtorch(table: HostTable, cuda: bool, folder: str, log: Log):
-    if not cuda:
-        return None
-    try:
-        import SpeedTorch  # noqa: F401
-    except Exception as exc:
-        log(f"note: SpeedTorch row skipped ({type(exc).__name__}: {exc}); "
-            "pip install SpeedTorch==0.1.6 cupy to compare")
-        return None
-    try:
-        path = os.path.join(folder, "speedtorch_table.npy")
-        table.save(path)
-        gadget = SpeedTorch.DataGadget(path, CPUPinn=True)
-        gadget.gadgetInit()
-        os.unlink(path)
-        return gadget
-    except Exception as exc:
-        log(f"note: SpeedTorch DataGadget failed to load ({type(exc).__name__}: {exc})")
-        return None
-
-
 def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: Log,
                 id_kinds=("uniform", "zipf"), batches: Optional[List[int]] = None,
                 quiet: bool = False, speedtorch: bool = True) -> dict:
@@ -178,7 +157,7 @@ def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: 
                                     device="cuda" if cuda else "cpu", pin=cuda)
         for name, why in backends.items() if not why
     }
-    gadget = load_speedtorch(table, cuda, args.out, log) if (speedtorch and not quiet) else None
+    gadget = _speedtorch(table, args.out, log) if (cuda and speedtorch and not quiet) else None
     results = []
     for kind in id_kinds:
         for batch in batches:

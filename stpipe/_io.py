@@ -10,10 +10,11 @@ import os
 import tempfile
 from typing import BinaryIO, Callable, Union
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "fsync_folder"]
 
 
-def _fsync_folder(folder: str) -> None:
+def fsync_folder(folder: str) -> None:
+    """fsync a folder so a rename inside it is durable (a no-op where folders cannot be opened)."""
     try:  # make the rename durable; not every filesystem lets a folder be opened
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -55,4 +56,4 @@ def atomic_write(path: Union[str, os.PathLike], write: Callable[[BinaryIO], None
         except OSError:
             pass
         raise
-    _fsync_folder(folder)
+    fsync_folder(folder)

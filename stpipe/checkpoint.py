@@ -71,6 +71,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ._io import fsync_folder
 from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
 
 __all__ = ["save", "load", "state_dict", "load_state_dict", "read_manifest", "FORMAT", "VERSION"]
@@ -888,19 +889,6 @@ def _listed(v: Any, where: str) -> list:
 
 
 # ============================================================================ save/load
-def _fsync_dir(folder: str) -> None:
-    try:  # not every filesystem allows opening a directory
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _is_checkpoint(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MANIFEST))
 
@@ -981,7 +969,7 @@ def save(path: PathLike, obj: Any, optimizer: Any = None, extra: Any = None) -> 
             f.flush()
             os.fsync(f.fileno())
         os.rename(part, os.path.join(tmp, MANIFEST))
-        _fsync_dir(tmp)
+        fsync_folder(tmp)
         _crash_point("manifest")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -990,17 +978,17 @@ def save(path: PathLike, obj: Any, optimizer: Any = None, extra: Any = None) -> 
         _discard(old)  # target is complete whenever both exist
         _crash_point("old-cleared")
         os.rename(target, old)
-        _fsync_dir(parent)
+        fsync_folder(parent)
         _crash_point("aside")
         os.rename(tmp, target)
-        _fsync_dir(parent)
+        fsync_folder(parent)
         _crash_point("in")
     else:
         os.rename(tmp, target)
-        _fsync_dir(parent)
+        fsync_folder(parent)
         _crash_point("in")
     _discard(old)
-    _fsync_dir(parent)
+    fsync_folder(parent)
     _crash_point("done")
     return target
 
