@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stpipe.host import HostTable  # noqa: E402
-from stpipe._bench import _backends, _paths, _speedtorch, _timer  # noqa: E402
+from stpipe._bench import _backends, _paths, _plot_gbps, _speedtorch, _timer  # noqa: E402
 from stpipe.kernels import get_backend  # noqa: E402
 
 GB = 1e9
@@ -188,29 +188,10 @@ def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: 
 
 def plot(sweep: List[dict], path: str, log: Log) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:
+        _plot_gbps(sweep, path, "uniform ids")
+    except ImportError as exc:
         log(f"note: no PNG ({type(exc).__name__}: {exc})")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, op in zip(axes, ("gather", "scatter")):
-        names = sorted({r["path"] for r in sweep})
-        for name in names:
-            pts = sorted((r["unique_rows"], r[f"{op}_gbps"]) for r in sweep
-                         if r["path"] == name and f"{op}_gbps" in r)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("unique rows per batch")
-        ax.set_title(f"{op} (uniform ids)")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
     log(f"wrote {path}")
 
 

@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from ._io import atomic_write
+
 __all__ = ["BenchConfig", "run", "format_table", "plot"]
 
 GB = 1e9
@@ -279,6 +281,12 @@ def plot(results: List[dict], cfg: BenchConfig, path: str) -> None:
     Raises:
         ImportError: matplotlib is not installed.
     """
+    _plot_gbps(results, path, f"table {cfg.rows:,} x {cfg.dim} ({cfg.device})")
+
+
+def _plot_gbps(results: List[dict], path: str, title: str) -> None:
+    """The GB/s-vs-unique-rows figure shared by this command and benchmarks/transfer.py:
+    one line per path, gather and scatter side by side, written atomically as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,27 +294,20 @@ def plot(results: List[dict], cfg: BenchConfig, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     names = list(dict.fromkeys(r["path"] for r in results))
-    for ax, op in zip(axes, ("gather", "scatter")):
-        for name in names:
-            pts = sorted((r["unique_rows"], r[f"{op}_gbps"]) for r in results
-                         if r["path"] == name and f"{op}_gbps" in r)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("unique rows per batch")
-        ax.set_title(f"{op}, table {cfg.rows:,} x {cfg.dim} ({cfg.device})")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".stpipe-plot-", suffix=".png", dir=folder)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-        tmp = None
+        for ax, op in zip(axes, ("gather", "scatter")):
+            for name in names:
+                pts = sorted((r["unique_rows"], r[f"{op}_gbps"]) for r in results
+                             if r["path"] == name and f"{op}_gbps" in r)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("unique rows per batch")
+            ax.set_title(f"{op}, {title}")
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("GB/s")
+        axes[1].legend(fontsize=8)
+        fig.tight_layout()
+        atomic_write(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     finally:
         plt.close(fig)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
