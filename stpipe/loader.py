@@ -81,6 +81,18 @@ DeviceLike = Union[str, int, torch.device, None]
 _JOIN_TIMEOUT_S = 5.0
 #: Poll interval (s) of the blocking queue operations, i.e. the latency of a stop.
 _POLL_S = 0.05
+
+
+def _put_unless_stopped(q: "queue.Queue[Any]", item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` into the bounded ``q``, waiting for room, polling ``stop`` every
+    ``_POLL_S``; ``False`` if ``stop`` was set first (shared with the pipeline's thread)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
 _thread_ids = itertools.count()
 
 
@@ -253,13 +265,7 @@ class _State:
 
     def put(self, item: Any) -> bool:
         """Queue ``item``, waiting for room; return ``False`` if stopped first."""
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return _put_unless_stopped(self.queue, item, self.stop)
 
 
 def _shutdown(state: _State) -> None:

@@ -97,7 +97,8 @@ import torch
 from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from .kernels import IndexBatch
-from .planner import Plan, as_index_array, check_ids, overlap
+from .loader import _put_unless_stopped
+from .planner import Plan, check_ids, overlap
 from .planner import plan as _plan
 
 __all__ = ["Pipeline", "Step"]
@@ -200,13 +201,7 @@ class _Run:
         return None
 
     def put(self, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.out.put(item, timeout=_POLL)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return _put_unless_stopped(self.out, item, self.stop)
 
 
 class _Slots:
