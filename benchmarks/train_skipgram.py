@@ -250,6 +250,40 @@ def run_speedtorch(args, dev, batches):
     return res
 
 
+def run_compute_only(args, dev, batches):
+    """The lower bound of any working-rows design: the user's step (forward, backward,
+    dense Adam) on GPU-resident working rows of each step's size, no tables, no transfers.
+    Each step's plan (unique rows and inverse) is precomputed on the device."""
+    from stpipe.planner import plan as _plan
+
+    work = []
+    for b in batches:
+        pin = _plan(b["centre"].numpy(), args.rows)
+        ctx = torch.cat([b["pos"].reshape(-1), b["neg"].reshape(-1)]).numpy()
+        pout = _plan(ctx, args.rows)
+        inv = torch.as_tensor(pout.inverse, device=dev)
+        work.append((pin.num_unique, torch.as_tensor(pin.inverse, device=dev), pout.num_unique,
+                     inv[: BATCH * POS].view(BATCH, POS), inv[BATCH * POS:].view(BATCH, NEG)))
+    kmax_in = max(w[0] for w in work)
+    kmax_out = max(w[2] for w in work)
+    w_in = torch.nn.Parameter(torch.empty(kmax_in, DIM, device=dev).uniform_(-0.5 / DIM, 0.5 / DIM))
+    w_out = torch.nn.Parameter(torch.zeros(kmax_out, DIM, device=dev))
+    opt = torch.optim.Adam([w_in, w_out], lr=LR)
+
+    def step(w):
+        k_in, i_in, k_out, i_pos, i_neg = w
+        loss = sgns_loss(F.embedding(i_in, w_in), F.embedding(i_pos, w_out), F.embedding(i_neg, w_out))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    res = timed(dev, args.warmup, work, step)
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(),
+               note="lower bound: user step on fixed GPU working rows (max k per table), dense Adam")
+    return res
+
+
 class _Stpipe:
     """One pair of stpipe tables shared by the depth-0, depth-1 and profile runs."""
 
@@ -266,8 +300,11 @@ class _Stpipe:
         self.opt = torch.optim.Adam(list(self.e_in.parameters()) + list(self.e_out.parameters()), lr=LR)
         self.setup_s = time.perf_counter() - t0
 
-    def run(self, args, dev, batches, depth, profile=False):
+    def run(self, args, dev, batches, depth, profile=False, trace=None):
+        """``trace``: a directory; profile the timed steps with torch.profiler and
+        cProfile (training thread) and write the tables there."""
         e_in, e_out, opt = self.e_in, self.e_out, self.opt
+        tracer = None
         pipe = self.Pipeline(
             {"in": e_in, "out": e_out}, optimizer=opt, depth=depth, profile=profile,
             ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
@@ -278,6 +315,8 @@ class _Stpipe:
                 if step.index == args.warmup:
                     sync(dev)
                     t0 = time.perf_counter()
+                    if trace:
+                        tracer = _Tracer(dev)
                 with step:
                     pos, neg = step.ids["out"]
                     loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
@@ -289,16 +328,66 @@ class _Stpipe:
             pipe.synchronize()
             sync(dev)
         dt = time.perf_counter() - t0
+        if tracer is not None:
+            tracer.finish(trace)
+        decisions = {}
+        for name, emb in (("in", e_in), ("out", e_out)):
+            for tname, t in [("rows", emb.table), *emb.state_tables.items()]:
+                mover = getattr(t, "_mover", None)
+                for key, (chosen, times) in getattr(mover, "decisions", {}).items():
+                    decisions[str(key)] = {"chosen": chosen, "times_ms": {k: round(v * 1e3, 3) for k, v in times.items()}}
         n = len(batches) - args.warmup
         res = {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
-               "backend": getattr(e_in.table, "backend", None)}
+               "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
+        if trace:
+            res["trace"] = trace
         if profile:
             recs = pipe.profile[args.warmup:]
             res["profile_ms"] = {k: float(np.median([r[k] for r in recs])) for k in
                                  ("plan_ms", "wait_ms", "compute_ms", "writeback_ms")}
         return res
+
+
+class _Tracer:
+    """torch.profiler (CPU + CUDA activity) and cProfile of the training thread."""
+
+    def __init__(self, dev):
+        import cProfile
+
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if dev.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        self.cp = cProfile.Profile()
+        self.cp.enable()
+
+    def finish(self, out_dir):
+        import io
+        import pstats
+
+        self.cp.disable()
+        self.prof.__exit__(None, None, None)
+        os.makedirs(out_dir, exist_ok=True)
+        ka = self.prof.key_averages()
+        with open(os.path.join(out_dir, "trace_ops.txt"), "w") as f:
+            for key in ("self_cpu_time_total", "cpu_time_total", "device_time_total"):
+                try:
+                    f.write(f"== sorted by {key}\n" + ka.table(sort_by=key, row_limit=60) + "\n")
+                except Exception as exc:  # a key this torch does not know
+                    f.write(f"== {key}: {exc}\n")
+        try:
+            self.prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+        except Exception:
+            pass
+        s = io.StringIO()
+        st = pstats.Stats(self.cp, stream=s)
+        st.sort_stats("tottime").print_stats(50)
+        st.sort_stats("cumtime").print_stats(60)
+        with open(os.path.join(out_dir, "trace_cprofile.txt"), "w") as f:
+            f.write(s.getvalue())
 
 
 # ------------------------------------------------------------------------------ main
@@ -311,6 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="directory for train_skipgram.json and .log")
     ap.add_argument("--methods", default="gpu_sparse_adam,naive_host,speedtorch_sgd,stpipe_depth0,stpipe_depth1,profile")
     ap.add_argument("--backend", default=None, help="stpipe HostTable backend (default: auto)")
+    ap.add_argument("--trace", default=None, help="method 'trace' writes torch.profiler / cProfile tables here")
     args = ap.parse_args(argv)
     if args.quick:
         args.rows = min(args.rows, 100_000)
@@ -346,18 +436,22 @@ def main(argv=None) -> int:
                 results[m] = run_naive(args, dev, batches)
             elif m == "speedtorch_sgd":
                 results[m] = run_speedtorch(args, dev, batches)
-            elif m in ("stpipe_depth0", "stpipe_depth1", "profile"):
+            elif m == "compute_only":
+                results[m] = run_compute_only(args, dev, batches)
+            elif m in ("stpipe_depth0", "stpipe_depth1", "profile", "trace"):
                 if st is None:
                     st = _Stpipe(args, dev)
                     log(f"stpipe tables ready in {st.setup_s:.1f} s")
                 depth = 0 if m == "stpipe_depth0" else 1
-                key = "stpipe_depth1_profile" if m == "profile" else m
-                results[key] = st.run(args, dev, batches, depth, profile=(m == "profile"))
+                key = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
+                results[key] = st.run(args, dev, batches, depth, profile=(m == "profile"),
+                                      trace=(args.trace or os.path.join(args.out or ".", "trace")) if m == "trace" else None)
             else:
                 results[m] = {"skipped": "unknown method"}
         except Exception as exc:  # keep going: report what failed
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        log(f"   {json.dumps({k: v for k, v in results.get(m, results.get('stpipe_depth1_profile', {})).items() if k != 'traceback'})}")
+        rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
+        log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
         if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd"):
             gc.collect()
     ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")

@@ -352,11 +352,14 @@ class HostTable:
             if mover.uses_cpu:
                 ev.synchronize()
 
-    def _after(self, mover: Any, stream: "torch.cuda.Stream", write: bool) -> None:
+    def _after(self, mover: Any, stream: "torch.cuda.Stream", write: bool,
+               ev: Optional["torch.cuda.Event"] = None) -> None:
+        """Record the access's event (``ev``: one already recorded on ``stream``)."""
         if not mover.needs_pinned:
             return  # the CPU finished its host accesses before returning
-        ev = torch.cuda.Event()
-        ev.record(stream)
+        if ev is None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
         with self._lock:
             if write:
                 self._write_event, self._read_events = ev, []
@@ -801,6 +804,110 @@ class HostTable:
             rows.record_stream(s)
         mover.scatter(self._data, batch, rows, s)
         self._after(mover, s, write=True)
+
+
+def _fused_mover(tables: "List[HostTable]") -> Any:
+    """The UVA backend that can move all ``tables`` in one launch, or ``None``.
+
+    Needs CuPy, every table pinned on one CUDA device with backend ``auto`` or ``cupy``,
+    and one dtype and dim. The fused kernels never block the host (no CPU-side movers).
+    """
+    t0 = tables[0]
+    if t0.device.type != "cuda":
+        return None
+    for t in tables:
+        if (not t.pinned or t.backend not in ("auto", "cupy") or t.dtype != t0.dtype
+                or t.dim != t0.dim or t.device != t0.device or t.num_rows != t0.num_rows):
+            return None
+    try:
+        return get_backend("cupy")
+    except BackendUnavailableError:
+        return None
+
+
+def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tensor,
+               stream: Optional["torch.cuda.Stream"]) -> None:
+    t0 = tables[0]
+    for t in tables:
+        t._check_open()
+    batch = t0._ids(ids)
+    n = len(batch)
+    expect = (len(tables), n, t0.dim)
+    if tuple(planes.shape) != expect or planes.dtype != t0.dtype or planes.device != t0.device:
+        raise StpipeValueError(
+            f"expected a {expect} {t0.dtype} tensor on {t0.device}, got "
+            f"{tuple(planes.shape)} {planes.dtype} on {planes.device}"
+        )
+    if n == 0:
+        return
+    mover = _fused_mover(tables)
+    if mover is None or planes.stride(2) != 1 or planes.stride(1) != t0.dim:
+        for g, t in enumerate(tables):
+            if op == "gather":
+                out = planes[g]
+                res = t.gather(batch, out=out if out.is_contiguous() else None, stream=stream)
+                if res.data_ptr() != out.data_ptr():
+                    with torch.cuda.stream(t._stream(stream)) if t.device.type == "cuda" else _null():
+                        out.copy_(res)
+            else:
+                t.scatter(batch, planes[g], stream=stream, assume_unique=True)
+        return
+    s = t0._stream(stream)
+    write = op == "scatter"
+    for t in tables:
+        t._before(mover, s, write=write)
+    if write:
+        planes.record_stream(s)
+        mover.scatter_many([t._data for t in tables], batch, planes, s)
+    else:
+        mover.gather_many([t._data for t in tables], batch, planes, s)
+    ev = torch.cuda.Event()
+    ev.record(s)
+    for t in tables:
+        t._after(mover, s, write=write, ev=ev)
+
+
+def gather_many(tables: "List[HostTable]", ids: Any, out: torch.Tensor,
+                stream: Optional["torch.cuda.Stream"] = None) -> None:
+    """``out[g, j] = tables[g][ids[j]]``: several tables that share ids, in one go.
+
+    For a table and its optimizer-state tables. With CuPy and pinned tables of one dtype
+    (backend ``auto`` or ``cupy``) one UVA kernel launch moves up to four tables and never
+    blocks the host; otherwise each table's own :meth:`HostTable.gather` runs.
+
+    Args:
+        tables: :class:`HostTable` objects of the same shape, dtype and device.
+        ids: ``(n,)`` row ids (as for :meth:`HostTable.gather`, or an
+            :class:`~stpipe.kernels.IndexBatch`).
+        out: ``(len(tables), n, dim)`` on the tables' device, rows contiguous; planes may
+            be strided (``buf[:, :n]`` of a larger buffer).
+        stream: the CUDA stream that does the work (default: the current one).
+
+    Streams: as :meth:`HostTable.gather`, for every table; one read event recorded after
+    the launch is shared by the tables.
+
+    Raises:
+        StpipeValueError: ``out`` of the wrong shape, dtype or device; see also
+            :meth:`HostTable.gather`.
+    """
+    _move_many("gather", list(tables), ids, out, stream)
+
+
+def scatter_many(tables: "List[HostTable]", ids: Any, rows: torch.Tensor,
+                 stream: Optional["torch.cuda.Stream"] = None) -> None:
+    """``tables[g][ids[j]] = rows[g, j]`` for unique ``ids`` (not checked: pass a plan's
+    ``unique``); the mirror of :func:`gather_many`, with :meth:`HostTable.scatter`'s
+    stream contract (``rows`` is ``record_stream``-ed on the stream, a write event shared
+    by the tables is recorded)."""
+    _move_many("scatter", list(tables), ids, rows, stream)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
 
 
 def _check_unique(batch: IndexBatch) -> None:

@@ -96,6 +96,9 @@ import torch
 
 from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
+from ._staging import upload as _upload
+from .host import gather_many as _gather_many
+from .host import scatter_many as _scatter_many
 from .kernels import IndexBatch
 from .loader import _put_unless_stopped
 from .planner import Plan, check_ids, overlap
@@ -104,6 +107,9 @@ from .planner import plan as _plan
 __all__ = ["Pipeline", "Step"]
 
 _thread_ids = itertools.count()
+#: tensor dtypes the pinned upload ring packs (numpy can hold them)
+_NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                           torch.int16, torch.int8, torch.uint8, torch.bool))
 _POLL = 0.05
 
 
@@ -112,15 +118,6 @@ def _is_parts(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(
         torch.is_tensor(p) or isinstance(p, np.ndarray) for p in x
     )
-
-
-def _to_device_index(arr: np.ndarray, device: torch.device, stream) -> torch.Tensor:
-    """An int64 device tensor holding ``arr``; on CUDA copied on ``stream`` (async)."""
-    t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
-    if device.type != "cuda":
-        return t
-    with torch.cuda.stream(stream):
-        return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -165,6 +162,7 @@ class _Flight:
         # was moved to the device, the copies made and the event after them (copy stream)
         self.source = batch
         self.copies: List[torch.Tensor] = []
+        self.dev_bufs: List[torch.Tensor] = []  # device buffers of uploaded ids (copy stream)
         self.batch_event = None
         self.claimed: List[Any] = []  # streams that already waited on batch_event
 
@@ -205,35 +203,71 @@ class _Run:
 
 
 class _Slots:
-    """Staging buffers of one table: rows and per-row state, one set per slot."""
+    """Staging buffers of one table: rows and per-row state, one set per slot.
+
+    Layout per slot: one *stack* ``(1 + m, cap, dim)`` of the rows' dtype, plane 0 the
+    rows and planes ``1..m`` the state keys of that dtype (``stacked``, in discovery
+    order), so one fused kernel gathers or scatters them all and a fix-up is one
+    ``index_select`` + ``index_copy_`` along dim 1. A state key of another dtype (none in
+    ``torch.optim`` today) gets its own ``(cap, dim)`` buffer in ``extra``.
+    """
 
     def __init__(self, emb: HostEmbedding, num_slots: int):
         self.emb = emb
-        self.rows: List[Optional[torch.Tensor]] = [None] * num_slots
-        self.state: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_slots)]
+        self.stack: List[Optional[torch.Tensor]] = [None] * num_slots
+        self.stacked: List[Tuple[str, ...]] = [()] * num_slots
+        self.extra: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_slots)]
         self.cap = [0] * num_slots
+
+    def rows(self, slot: int, k: int) -> torch.Tensor:
+        return self.stack[slot][0, :k]
+
+    def state(self, slot: int, key: str, k: int) -> torch.Tensor:
+        keys = self.stacked[slot]
+        if key in keys:
+            return self.stack[slot][1 + keys.index(key), :k]
+        return self.extra[slot][key][:k]
+
+    def planes(self, slot: int, k: int, keys: Sequence[str]) -> torch.Tensor:
+        """``(1 + m, k, dim)``: rows and the stacked keys among ``keys`` (a prefix)."""
+        m = sum(1 for key in self.stacked[slot] if key in keys)
+        return self.stack[slot][: 1 + m, :k]
 
     def ensure(self, slot: int, k: int, keys: Sequence[str], streams: Sequence[Any]) -> None:
         """Make slot ``slot`` hold at least ``k`` rows and a buffer for each state key.
 
-        Replaced buffers are ``record_stream``-ed on ``streams`` (CUDA) before release so
-        the caching allocator does not hand their memory out while queued work uses it.
+        A stack that must grow or gain keys is replaced; what the old one held is copied
+        over on the current stream (the caller's: the copy stream before a gather, the
+        compute stream in a write-back). Replaced buffers are ``record_stream``-ed on
+        ``streams`` (CUDA) before release so the caching allocator does not hand their
+        memory out while queued work uses it.
         """
         emb = self.emb
-        cap = self.cap[slot]
-        if k > cap or self.rows[slot] is None:
-            new_cap = max(k, emb.capacity, (cap * 3) // 2, 1)
-            self._retire(self.rows[slot], streams)
-            for buf in self.state[slot].values():
-                self._retire(buf, streams)
-            self.rows[slot] = torch.empty(new_cap, emb.embedding_dim, dtype=emb.dtype, device=emb.device)
-            self.state[slot] = {}
-            self.cap[slot] = cap = new_cap
         rs = emb.row_state
+        cap = self.cap[slot]
+        same = tuple(key for key in keys if rs.tables[key].dtype == emb.dtype) if keys else ()
+        old_keys = self.stacked[slot]
+        want = old_keys + tuple(key for key in same if key not in old_keys)
+        old = self.stack[slot]
+        if old is None or k > cap or want != old_keys:
+            new_cap = max(k, emb.capacity, (cap * 3) // 2 if k > cap else cap, 1)
+            new = torch.empty(1 + len(want), new_cap, emb.embedding_dim, dtype=emb.dtype, device=emb.device)
+            if old is not None:
+                n = min(cap, new_cap)
+                new[: old.shape[0], :n].copy_(old[:, :n])
+                self._retire(old, streams)
+            self.stack[slot], self.stacked[slot] = new, want
+            extra = self.extra[slot]
+            for key, buf in list(extra.items()):
+                grown = torch.empty(new_cap, emb.embedding_dim, dtype=buf.dtype, device=emb.device)
+                grown[: min(cap, new_cap)].copy_(buf[: min(cap, new_cap)])
+                self._retire(buf, streams)
+                extra[key] = grown
+            self.cap[slot] = cap = new_cap
         for key in keys:
-            if key not in self.state[slot]:
+            if key not in self.stacked[slot] and key not in self.extra[slot]:
                 dtype = rs.tables[key].dtype
-                self.state[slot][key] = torch.empty(cap, emb.embedding_dim, dtype=dtype, device=emb.device)
+                self.extra[slot][key] = torch.empty(cap, emb.embedding_dim, dtype=dtype, device=emb.device)
 
     @staticmethod
     def _retire(buf: Optional[torch.Tensor], streams: Sequence[Any]) -> None:
@@ -746,9 +780,54 @@ class Pipeline:
                 p = _plan(x, emb.num_rows)
                 flight.tables[name] = _TableFlight(plan=p, parts=[x], single=True)
         flight.plan_s = time.perf_counter() - t0
-        run.where = f"uploading the inverse of batch {idx}"
-        for name, tf in flight.tables.items():
-            inv = _to_device_index(tf.plan.inverse.reshape(-1), self.device, self._copy_stream)
+        run.where = f"uploading the ids of batch {idx}"
+        self._upload(flight)
+        for tf in flight.tables.values():
+            tf.aliases = [getattr(flight, "_alias", {}).get(id(x)) if torch.is_tensor(x) else None
+                          for x in tf.parts]
+        return flight
+
+    def _upload(self, flight: _Flight) -> None:
+        """Move a batch's index arrays (each table's inverse and unique rows) and, when
+        ``run(to_device=True)``, the batch's CPU tensors to the device in *one* copy.
+
+        Stream: the copy stream, through the pinned upload ring (:mod:`stpipe._staging`:
+        no pageable copy, no stream sync); ``flight.batch_event`` is recorded after it
+        when the batch moved. Everything lands in one device buffer allocated on the copy
+        stream; consumers make their stream wait and ``record_stream`` it
+        (:meth:`_claim_batch`, :meth:`_enter`). A tensor seen twice is copied once
+        (aliasing kept); the planned id tensors' copies are remembered so
+        ``emb(step.batch[...])`` takes the fast path. Tensors of a dtype numpy cannot
+        hold (bfloat16) are pinned and copied on their own. On CPU nothing moves.
+        """
+        arrays: List[Any] = []
+        for tf in flight.tables.values():
+            arrays.append(np.ascontiguousarray(tf.plan.inverse.reshape(-1), dtype=np.int64))
+            arrays.append(tf.plan.unique)
+        n_idx = len(arrays)
+        moved: List[torch.Tensor] = []
+        if self._cuda and self._to_device:
+            from .loader import _map_tensors
+
+            device = self.device
+            seen: Dict[int, Any] = {}
+
+            def collect(t: torch.Tensor) -> torch.Tensor:
+                if t.device != device and id(t) not in seen:
+                    seen[id(t)] = t
+                    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
+                        moved.append(t)
+                return t
+
+            _map_tensors(collect, flight.source)
+            arrays.extend(moved)
+        outs = _upload(arrays, self.device, self._copy_stream)
+        if self._cuda:
+            flight.dev_bufs.append(outs[0])
+        for i, tf in enumerate(flight.tables.values()):
+            inv = outs[2 * i]
+            if self._cuda:
+                tf.rows.device_ids = outs[2 * i + 1]
             if tf.single:
                 tf.part_inverse = [inv.view(tf.plan.inverse.shape)]
             else:
@@ -758,52 +837,36 @@ class Pipeline:
                     out.append(inv[start:start + n].view(shape))
                     start += n
                 tf.part_inverse = out
-        if self._cuda and self._to_device:
-            run.where = f"copying batch {idx} to {self.device}"
-            self._move_batch(flight)
-        for tf in flight.tables.values():
-            tf.aliases = [getattr(flight, "_alias", {}).get(id(x)) if torch.is_tensor(x) else None
-                          for x in tf.parts]
-        return flight
-
-    def _move_batch(self, flight: _Flight) -> None:
-        """Copy the batch's tensors to the device (prefetch thread, or training at depth 0).
-
-        Stream: the copy stream, ``non_blocking``; pageable CPU tensors are pinned here
-        first; ``flight.batch_event`` is recorded after the copies. The copies are
-        allocated on the copy stream and ``record_stream``-ed on each consumer stream by
-        :meth:`_claim_batch`. A tensor seen twice is copied once (aliasing kept); the
-        planned id tensors' copies are remembered so ``emb(step.batch[...])`` takes the
-        fast path.
-        """
-        from .loader import _map_tensors
-
+        if not (self._cuda and self._to_device):
+            return
+        done: Dict[int, torch.Tensor] = {id(t): o for t, o in zip(moved, outs[n_idx:])}
+        copies: List[torch.Tensor] = [outs[0]]
+        alias: Dict[int, torch.Tensor] = {}
         device = self.device
-        seen: Dict[int, torch.Tensor] = {}
-        copies: List[torch.Tensor] = []
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
             if t.device == device:
                 return t
-            hit = seen.get(id(t))
+            hit = alias.get(id(t))
             if hit is not None:
                 return hit
-            src = t.detach()
-            if src.device.type == "cpu" and not src.is_pinned():
-                src = src.pin_memory()
-            out = src.to(device, non_blocking=True)
-            seen[id(t)] = out
-            copies.append(out)
+            out = done.get(id(t))
+            if out is None:  # not numpy-representable, or on another GPU
+                src = t.detach()
+                if src.device.type == "cpu" and not src.is_pinned():
+                    src = src.pin_memory()
+                out = src.to(device, non_blocking=True)
+                copies.append(out)
+            alias[id(t)] = out
             return out
 
         with torch.cuda.device(device), torch.cuda.stream(self._copy_stream):
             flight.batch = _map_tensors(to_device, flight.source)
-            if copies:
-                ev = torch.cuda.Event()
-                ev.record(self._copy_stream)
-                flight.batch_event = ev
+            ev = torch.cuda.Event()
+            ev.record(self._copy_stream)
+            flight.batch_event = ev
         flight.copies = copies
-        flight._alias = seen  # type: ignore[attr-defined]
+        flight._alias = alias  # type: ignore[attr-defined]
 
     def _claim_batch(self, flight: _Flight) -> None:
         """Order the caller's current stream after the batch's copies (no host sync).
@@ -827,16 +890,22 @@ class Pipeline:
         run.where = f"computing the overlap of batch {idx} with the batches in flight"
         with self._lock:
             earlier = list(self._inflight.values())
+        pending: List[Tuple[int, Any, np.ndarray, np.ndarray]] = []
         for prev in earlier:
-            ov = {}
+            flight.overlaps[prev.index] = {}
             for name, tf in flight.tables.items():
                 pp, np_ = overlap(prev.tables[name].plan, tf.plan)
                 if len(pp):
-                    ov[name] = (
-                        _to_device_index(pp, self.device, self._copy_stream),
-                        _to_device_index(np_, self.device, self._copy_stream),
-                    )
-            flight.overlaps[prev.index] = ov
+                    pending.append((prev.index, name, pp, np_))
+        if pending:
+            arrays = []
+            for _, _, pp, np_ in pending:
+                arrays += [np.ascontiguousarray(pp, dtype=np.int64), np.ascontiguousarray(np_, dtype=np.int64)]
+            outs = _upload(arrays, self.device, self._copy_stream)
+            if self._cuda:
+                flight.dev_bufs.append(outs[0])
+            for i, (j, name, _, _) in enumerate(pending):
+                flight.overlaps[j][name] = (outs[2 * i], outs[2 * i + 1])
         run.where = f"gathering batch {idx}"
         with self._lock:
             if run.stop.is_set():
@@ -862,19 +931,31 @@ class Pipeline:
                 slots = self._slots[name]
                 slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
                 if k:
-                    self._gather_into(emb.table, tf.rows, slots.rows[flight.slot][:k])
-                    for key in keys:
-                        self._gather_into(rs.tables[key], tf.rows, slots.state[flight.slot][key][:k])
+                    self._gather_keys(emb, slots, flight.slot, tf, keys, with_rows=True)
                 tf.keys = tuple(keys)
                 self.stats["rows_gathered"] += k
             if self._cuda:
                 flight.ready = torch.cuda.Event()
                 flight.ready.record(cs)
 
-    def _gather_into(self, table: Any, unique: Union[np.ndarray, IndexBatch], out: torch.Tensor) -> None:
-        res = table.gather(unique, out=out, stream=self._copy_stream)
-        if res is not None and (res.data_ptr() != out.data_ptr() or res.shape != out.shape):
-            out.copy_(res, non_blocking=True)
+    def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
+                     keys: Sequence[str], with_rows: bool) -> None:
+        """Gather rows (``with_rows``) and state ``keys`` of ``tf``'s unique ids into the
+        slot: the stacked ones by one fused call (:func:`stpipe.host.gather_many`), the
+        others one by one. Stream: the copy stream (the caller's current one)."""
+        k = tf.k
+        rs = emb.row_state
+        stacked = [key for key in slots.stacked[slot] if key in keys]
+        if with_rows or stacked:
+            planes = slots.planes(slot, k, stacked)
+            tables = [emb.table] + [rs.tables[key] for key in stacked]
+            if not with_rows:
+                planes, tables = planes[1:], tables[1:]
+            _gather_many(tables, tf.rows, planes, stream=self._copy_stream)
+        for key in keys:
+            if key not in stacked:
+                out = slots.state(slot, key, k)
+                rs.tables[key].gather(tf.rows, out=out, stream=self._copy_stream)
 
     def _drop(self, flight: _Flight, run: _Run) -> None:
         """Forget a batch that will not be trained (never entered)."""
@@ -918,9 +999,7 @@ class Pipeline:
                         slots = self._slots[name]
                         slots.ensure(f.slot, tf.k, emb.row_state.keys, (cs, compute))
                         if tf.k:
-                            for key in keys:
-                                self._gather_into(emb.row_state.tables[key], tf.rows,
-                                                  slots.state[f.slot][key][:tf.k])
+                            self._gather_keys(emb, slots, f.slot, tf, keys, with_rows=False)
                         tf.keys = tuple(emb.row_state.keys)
                     if self._cuda:
                         f.ready = torch.cuda.Event()
@@ -930,18 +1009,17 @@ class Pipeline:
                 f.ready.synchronize()
             compute.wait_event(f.ready)
             self._claim_batch(f)
+            for buf in f.dev_bufs:  # the uploaded inverses (used by forward on compute)
+                buf.record_stream(compute)
         for name, tf in f.tables.items():
             emb = self.tables[name]
             slots = self._slots[name]
             k = tf.k
-            if self._cuda:
-                for inv in tf.part_inverse:
-                    inv.record_stream(compute)
-            _set_working(emb.weight, slots.rows[f.slot][:k])
+            _set_working(emb.weight, slots.rows(f.slot, k))
             rs = emb.row_state
             if rs is not None:
                 step._snaps[name] = rs.snapshot()
-                rs.install({key: slots.state[f.slot][key][:k] for key in tf.keys})
+                rs.install({key: slots.state(f.slot, key, k) for key in tf.keys})
             emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                       for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                            tf.aliases or [None] * len(tf.parts))],
@@ -1018,12 +1096,16 @@ class Pipeline:
         cs = self._copy_stream
         compute = step._compute_stream
         # make sure the slot holds what the optimizer produced (compute stream)
-        views: Dict[Any, Dict[str, torch.Tensor]] = {}
+        views: Dict[Any, Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = {}
         for name, tf in f.tables.items():
             emb = self.tables[name]
             slots = self._slots[name]
             k = tf.k
-            rows = slots.rows[f.slot][:k]
+            rs = emb.row_state
+            keys = rs.keys if rs is not None else ()
+            if keys and any(key not in tf.keys for key in keys):
+                slots.ensure(f.slot, k, keys, (cs, compute))  # keys discovered this step
+            rows = slots.rows(f.slot, k)
             w = emb.weight.data
             if w.data_ptr() != rows.data_ptr() or w.shape != rows.shape:
                 if w.shape != rows.shape:
@@ -1032,18 +1114,13 @@ class Pipeline:
                         f"{tuple(w.shape)}; expected the step's rows {tuple(rows.shape)}"
                     )
                 rows.copy_(w)
-            rs = emb.row_state
             sv = {}
-            if rs is not None and rs.keys:
-                new = [key for key in rs.keys if key not in tf.keys]
-                if new:
-                    slots.ensure(f.slot, k, rs.keys, (cs, compute))
-                for key in rs.keys:
-                    buf = slots.state[f.slot][key][:k]
-                    cur = rs.current(key)
-                    if cur.data_ptr() != buf.data_ptr() or cur.shape != buf.shape:
-                        buf.copy_(cur)
-                    sv[key] = buf
+            for key in keys:
+                buf = slots.state(f.slot, key, k)
+                cur = rs.current(key)
+                if cur.data_ptr() != buf.data_ptr() or cur.shape != buf.shape:
+                    buf.copy_(cur)
+                sv[key] = buf
             views[name] = (rows, sv)
         with self._lock:
             ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
@@ -1058,12 +1135,7 @@ class Pipeline:
                     ov = g.overlaps.get(f.index, {})
                     touched = False
                     for name, (pp, np_) in ov.items():
-                        rows, sv = views[name]
-                        gtf = g.tables[name]
-                        slots = self._slots[name]
-                        slots.rows[g.slot].index_copy_(0, np_, rows.index_select(0, pp))
-                        for key in gtf.keys:
-                            slots.state[g.slot][key].index_copy_(0, np_, sv[key].index_select(0, pp))
+                        self._carry(name, f, g, pp, np_)
                         self.stats["rows_carried"] += int(pp.shape[0])
                         touched = True
                     if touched and self._cuda:
@@ -1074,10 +1146,33 @@ class Pipeline:
                         continue
                     emb = self.tables[name]
                     rows, sv = views[name]
-                    emb.table.scatter(tf.rows, rows, stream=cs, assume_unique=True)
+                    slots = self._slots[name]
+                    stacked = [key for key in slots.stacked[f.slot] if key in sv]
+                    _scatter_many([emb.table] + [emb.row_state.tables[key] for key in stacked],
+                                  tf.rows, slots.planes(f.slot, tf.k, stacked), stream=cs)
                     for key, buf in sv.items():
-                        emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
+                        if key not in stacked:
+                            emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
             self._inflight.pop(f.index, None)
+
+    def _carry(self, name: Any, f: _Flight, g: _Flight, pp: torch.Tensor, np_: torch.Tensor) -> None:
+        """Copy the rows (and state) batch ``g`` shares with ``f`` from ``f``'s slot into
+        ``g``'s: ``g[np_] = f[pp]`` for the planes both hold (issue lock held; stream: the
+        copy stream, after ``f``'s compute)."""
+        slots = self._slots[name]
+        ftf, gtf = f.tables[name], g.tables[name]
+        keys = gtf.keys  # f's slot holds every known key (ensured in its write-back)
+        sf = [key for key in slots.stacked[f.slot] if key in keys]
+        sg = [key for key in slots.stacked[g.slot] if key in keys]
+        m = 0
+        while m < min(len(sf), len(sg)) and sf[m] == sg[m]:
+            m += 1
+        dst = slots.stack[g.slot][: 1 + m]
+        dst.index_copy_(1, np_, slots.stack[f.slot][: 1 + m, : ftf.k].index_select(1, pp))
+        for key in keys:
+            if key not in sf[:m]:
+                d = slots.state(g.slot, key, gtf.k)
+                d.index_copy_(0, np_, slots.state(f.slot, key, ftf.k).index_select(0, pp))
 
 
 def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:

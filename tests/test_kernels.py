@@ -148,3 +148,29 @@ def test_registry_of_page_locked_ranges(monkeypatch):
     assert _cuda.is_registered(5000, 100)
     assert not _cuda.is_registered(4000, 200)  # starts before
     assert not _cuda.is_registered(16000, 1000)  # runs past the end
+
+
+def test_upload_on_cpu_shares_memory():
+    """On a CPU device the upload ring hands back the arrays as tensors, without copies."""
+    from stpipe import _staging
+
+    a = np.arange(5, dtype=np.int64)
+    (t,) = _staging.upload([a], torch.device("cpu"))
+    assert t.dtype == torch.int64 and t.tolist() == [0, 1, 2, 3, 4]
+    assert t.data_ptr() == a.ctypes.data
+
+
+def test_gather_many_on_cpu_matches_index_select():
+    from stpipe.host import HostTable, gather_many, scatter_many
+
+    tabs = [HostTable(50, 4, device="cpu").uniform_(-1, 1) for _ in range(3)]
+    ids = np.array([1, 7, 30])
+    out = torch.zeros(3, 5, 4)[:, :3]
+    gather_many(tabs, ids, out)
+    for g, t in enumerate(tabs):
+        assert torch.equal(out[g], t.tensor()[ids])
+    scatter_many(tabs, ids, torch.ones(3, 3, 4))
+    for t in tabs:
+        assert (t.tensor()[ids] == 1).all() and (t.tensor()[0] != 1).any()
+    with pytest.raises(ValueError, match="expected a"):
+        gather_many(tabs, ids, torch.zeros(2, 3, 4))

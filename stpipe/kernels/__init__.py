@@ -82,10 +82,10 @@ class IndexBatch:
 
         A caller-supplied CUDA tensor on that device is returned as is (the caller made
         ``stream`` wait for its producer). Otherwise the host ids are copied on ``stream``
-        (from pageable memory: ``cudaMemcpyAsync`` returns once the source is staged, so
-        the numpy array may be freed afterwards). The copy is allocated on ``stream`` and
-        cached per stream, so a second use on another stream uploads again rather than
-        sharing memory across streams.
+        through stpipe's pinned upload ring (:func:`stpipe._staging.upload`: one async
+        H2D copy that never synchronises the stream, unlike a copy from pageable memory).
+        The copy is allocated on ``stream`` and cached per stream, so a second use on
+        another stream uploads again rather than sharing memory across streams.
         """
         d = self.device_ids
         if d is not None and d.device == device:
@@ -95,8 +95,9 @@ class IndexBatch:
         key = int(stream.cuda_stream)
         got = self._uploaded.get(key)
         if got is None:
-            with torch.cuda.stream(stream):
-                got = torch.from_numpy(self.host).to(device, non_blocking=True)
+            from .._staging import upload
+
+            got = upload([self.host], device, stream)[0]
             self._uploaded[key] = got
         return got
 

@@ -19,7 +19,7 @@ cached per device (CuPy additionally caches the binary on disk).
 from __future__ import annotations
 
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -62,6 +62,15 @@ __device__ __forceinline__ void scatter_words(W* __restrict__ table,
     }
 }
 
+// Several tables that share ids (a table and its optimizer-state tables) in one launch:
+// blockIdx.y picks the table (up to 4) and the matching plane of a (G, n, dim) buffer
+// whose planes are out_stride words apart.
+template <typename W>
+__device__ __forceinline__ const W* pick(const W* t0, const W* t1, const W* t2, const W* t3) {
+    const unsigned int g = blockIdx.y;
+    return g == 0 ? t0 : (g == 1 ? t1 : (g == 2 ? t2 : t3));
+}
+
 #define STPIPE_KERNELS(W)                                                              \
 extern "C" __global__ void stpipe_gather_##W(const W* table, const long long* ids,     \
                                              W* out, long long total, long long words) \
@@ -69,7 +78,16 @@ extern "C" __global__ void stpipe_gather_##W(const W* table, const long long* id
 extern "C" __global__ void stpipe_scatter_##W(W* table, const long long* ids,          \
                                               const W* rows, long long total,          \
                                               long long words)                         \
-{ scatter_words<W>(table, ids, rows, total, words); }
+{ scatter_words<W>(table, ids, rows, total, words); }                                  \
+extern "C" __global__ void stpipe_gather_many_##W(const W* t0, const W* t1, const W* t2, \
+        const W* t3, const long long* ids, W* out, long long plane, long long total,    \
+        long long words)                                                               \
+{ gather_words<W>(pick<W>(t0, t1, t2, t3), ids, out + blockIdx.y * plane, total, words); } \
+extern "C" __global__ void stpipe_scatter_many_##W(W* t0, W* t1, W* t2, W* t3,          \
+        const long long* ids, const W* rows, long long plane, long long total,         \
+        long long words)                                                               \
+{ scatter_words<W>(const_cast<W*>(pick<W>(t0, t1, t2, t3)), ids, rows + blockIdx.y * plane, \
+                   total, words); }
 
 STPIPE_KERNELS(w2_t)
 STPIPE_KERNELS(w4_t)
@@ -78,6 +96,8 @@ STPIPE_KERNELS(w16_t)
 
 _WORD_NAMES = {2: "w2_t", 4: "w4_t", 16: "w16_t"}
 THREADS = 256
+#: Tables per launch of the ``*_many`` kernels.
+MANY = 4
 
 
 def word_bytes(rb: int, *ptrs: int) -> int:
@@ -201,6 +221,57 @@ class CupyBackend:
                 np.int64(total), np.int64(words))
         with cp.cuda.Device(index):
             kernel((blocks,), (threads,), args, stream=self._stream(index, stream))
+
+    def _launch_many(self, op: str, tables: Sequence[torch.Tensor], ids: IndexBatch,
+                     planes: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+        """``op`` for up to :data:`MANY` tables per launch over the planes of ``planes``."""
+        n = len(ids)
+        if n == 0 or not tables:
+            return
+        cp = self._cp
+        device = planes.device
+        index = device.index
+        rb = row_bytes(tables[0])
+        isz = planes.element_size()
+        ptrs = [t.data_ptr() for t in tables]
+        for t in tables:
+            base = (index, t.untyped_storage().data_ptr())
+            if base not in self._checked:
+                with cp.cuda.Device(index):
+                    _device_pointer_check(cp, t.data_ptr())
+                self._checked[base] = True
+        plane_bytes = planes.stride(0) * isz
+        word = word_bytes(rb, planes.data_ptr(), plane_bytes, *ptrs)
+        words = rb // word
+        total = n * words
+        kernel = self._kernel(index, op + "_many", word)
+        blocks, threads = launch_shape(total, self._sms[index])
+        id_t = ids.on_device(device, stream)
+        cs = self._stream(index, stream)
+        with cp.cuda.Device(index):
+            for g in range(0, len(tables), MANY):
+                part = ptrs[g:g + MANY]
+                part = part + [part[0]] * (MANY - len(part))
+                args = tuple(np.uint64(p) for p in part) + (
+                    np.uint64(id_t.data_ptr()), np.uint64(planes.data_ptr() + g * plane_bytes),
+                    np.int64(plane_bytes // word), np.int64(total), np.int64(words))
+                kernel((blocks, min(MANY, len(tables) - g)), (threads,), args, stream=cs)
+
+    def gather_many(self, tables: Sequence[torch.Tensor], ids: IndexBatch, out: torch.Tensor,
+                    stream: "torch.cuda.Stream") -> None:
+        """``out[g, j] = tables[g][ids[j]]`` for every table, in one launch per 4 tables.
+
+        ``out`` is ``(G, n, dim)`` on the device with contiguous rows (planes may be
+        strided, e.g. ``buf[:, :n]`` of a ``(G, cap, dim)`` buffer); same stream contract
+        as :meth:`gather`.
+        """
+        self._launch_many("gather", tables, ids, out, stream)
+
+    def scatter_many(self, tables: Sequence[torch.Tensor], ids: IndexBatch, rows: torch.Tensor,
+                     stream: "torch.cuda.Stream") -> None:
+        """``tables[g][ids[j]] = rows[g, j]``; same layout as :meth:`gather_many`, same
+        stream contract as :meth:`scatter`."""
+        self._launch_many("scatter", tables, ids, rows, stream)
 
     def gather(self, table: torch.Tensor, ids: IndexBatch, out: torch.Tensor,
                stream: "torch.cuda.Stream") -> None:
