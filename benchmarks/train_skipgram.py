@@ -15,6 +15,10 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
   N computes);
+* ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
+  kernel per step instead of a dozen foreach launches; same update rule);
+* ``compute_only`` / ``compute_only_fused``: the user's step alone on GPU-resident working
+  rows of each step's size (no tables, no transfers): the lower bound of the design;
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed).
 
@@ -250,7 +254,7 @@ def run_speedtorch(args, dev, batches):
     return res
 
 
-def run_compute_only(args, dev, batches):
+def run_compute_only(args, dev, batches, fused=False):
     """The lower bound of any working-rows design: the user's step (forward, backward,
     dense Adam) on GPU-resident working rows of each step's size, no tables, no transfers.
     Each step's plan (unique rows and inverse) is precomputed on the device."""
@@ -268,7 +272,7 @@ def run_compute_only(args, dev, batches):
     kmax_out = max(w[2] for w in work)
     w_in = torch.nn.Parameter(torch.empty(kmax_in, DIM, device=dev).uniform_(-0.5 / DIM, 0.5 / DIM))
     w_out = torch.nn.Parameter(torch.zeros(kmax_out, DIM, device=dev))
-    opt = torch.optim.Adam([w_in, w_out], lr=LR)
+    opt = torch.optim.Adam([w_in, w_out], lr=LR, **({"fused": True} if fused else {}))
 
     def step(w):
         k_in, i_in, k_out, i_pos, i_neg = w
@@ -287,7 +291,7 @@ def run_compute_only(args, dev, batches):
 class _Stpipe:
     """One pair of stpipe tables shared by the depth-0, depth-1 and profile runs."""
 
-    def __init__(self, args, dev):
+    def __init__(self, args, dev, fused=False):
         from stpipe.embedding import HostEmbedding
         from stpipe.pipeline import Pipeline
 
@@ -297,7 +301,8 @@ class _Stpipe:
         t0 = time.perf_counter()
         self.e_in = HostEmbedding(args.rows, DIM, device=dev, init=lambda t: t.uniform_(-lo, lo), **kw)
         self.e_out = HostEmbedding(args.rows, DIM, device=dev, init="zeros", **kw)
-        self.opt = torch.optim.Adam(list(self.e_in.parameters()) + list(self.e_out.parameters()), lr=LR)
+        self.opt = torch.optim.Adam(list(self.e_in.parameters()) + list(self.e_out.parameters()), lr=LR,
+                                    **({"fused": True} if fused else {}))
         self.setup_s = time.perf_counter() - t0
 
     def run(self, args, dev, batches, depth, profile=False, trace=None):
@@ -436,8 +441,16 @@ def main(argv=None) -> int:
                 results[m] = run_naive(args, dev, batches)
             elif m == "speedtorch_sgd":
                 results[m] = run_speedtorch(args, dev, batches)
-            elif m == "compute_only":
-                results[m] = run_compute_only(args, dev, batches)
+            elif m in ("compute_only", "compute_only_fused"):
+                results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
+            elif m == "stpipe_depth1_fused":
+                st = None  # free the foreach-Adam tables first (host RAM)
+                gc.collect()
+                stf = _Stpipe(args, dev, fused=True)
+                log(f"stpipe tables (fused Adam) ready in {stf.setup_s:.1f} s")
+                results[m] = stf.run(args, dev, batches, 1)
+                del stf
+                gc.collect()
             elif m in ("stpipe_depth0", "stpipe_depth1", "profile", "trace"):
                 if st is None:
                     st = _Stpipe(args, dev)

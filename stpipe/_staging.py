@@ -84,7 +84,8 @@ def _ring(device: torch.device) -> _Ring:
 def _as_numpy(a: ArrayLike) -> np.ndarray:
     if isinstance(a, torch.Tensor):
         return a.detach().contiguous().numpy()
-    return np.ascontiguousarray(a)
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
 
 
 def upload(arrays: Sequence[ArrayLike], device: torch.device,

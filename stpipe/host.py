@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -230,8 +230,9 @@ class HostTable:
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.nbytes = self.num_rows * self.dim * self.itemsize
         self._lock = threading.Lock()
-        self._write_event: Optional[torch.cuda.Event] = None
-        self._read_events: List[torch.cuda.Event] = []
+        # (event, stream handle) of the last GPU write, and the last GPU read per stream
+        self._write_event: Optional[Tuple["torch.cuda.Event", int]] = None
+        self._read_events: Dict[int, "torch.cuda.Event"] = {}
         self._owner: Any = None
         return bool(pin)
 
@@ -327,8 +328,8 @@ class HostTable:
 
     def _sync_all(self) -> None:
         with self._lock:
-            events = ([self._write_event] if self._write_event else []) + self._read_events
-            self._write_event, self._read_events = None, []
+            events = ([self._write_event[0]] if self._write_event else []) + list(self._read_events.values())
+            self._write_event, self._read_events = None, {}
         for ev in events:
             ev.synchronize()
 
@@ -341,16 +342,22 @@ class HostTable:
         return resolve(op, self._data, batch, buf, stream, self._sync_all, pinned=self.pinned)
 
     def _before(self, mover: Any, stream: "torch.cuda.Stream", write: bool) -> None:
-        """Order this access after earlier conflicting ones (see module docstring)."""
+        """Order this access after earlier conflicting ones (see module docstring).
+
+        An earlier GPU access on ``stream`` itself is already ordered by the stream, so
+        only accesses on other streams are waited on (GPU movers) or synchronised (CPU
+        movers wait on all of them, since their reads and writes are host-side).
+        """
+        handle = stream.cuda_stream
         with self._lock:
             events = [self._write_event] if self._write_event else []
-            if write:
-                events += self._read_events
-        for ev in events:
-            if mover.needs_pinned:
-                stream.wait_event(ev)
+            if write and self._read_events:
+                events += [(ev, h) for h, ev in self._read_events.items()]
+        for ev, h in events:
             if mover.uses_cpu:
                 ev.synchronize()
+            elif mover.needs_pinned and h != handle:
+                stream.wait_event(ev)
 
     def _after(self, mover: Any, stream: "torch.cuda.Stream", write: bool,
                ev: Optional["torch.cuda.Event"] = None) -> None:
@@ -360,11 +367,12 @@ class HostTable:
         if ev is None:
             ev = torch.cuda.Event()
             ev.record(stream)
+        handle = stream.cuda_stream
         with self._lock:
             if write:
-                self._write_event, self._read_events = ev, []
+                self._write_event, self._read_events = (ev, handle), {}
             else:
-                self._read_events = [e for e in self._read_events if not e.query()] + [ev]
+                self._read_events[handle] = ev  # supersedes earlier reads on this stream
 
     def _stream(self, stream: Optional["torch.cuda.Stream"]) -> "torch.cuda.Stream":
         if stream is None:

@@ -94,14 +94,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import numpy as np
 import torch
 
-from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
+from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from ._staging import upload as _upload
 from .host import gather_many as _gather_many
 from .host import scatter_many as _scatter_many
 from .kernels import IndexBatch
 from .loader import _put_unless_stopped
-from .planner import Plan, check_ids, overlap
+from .planner import Plan, as_index_array, check_ids, overlap
 from .planner import plan as _plan
 
 __all__ = ["Pipeline", "Step"]
@@ -771,9 +771,14 @@ class Pipeline:
             run.where = f"planning batch {idx}" + ("" if self._single else f" for table {name!r}")
             x = ids[name]
             if _is_parts(x):
-                arrs = [check_ids(p, emb.num_rows) for p in x]
+                arrs = [as_index_array(p) for p in x]
                 flat = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
-                p = _plan(flat, emb.num_rows)
+                try:
+                    p = _plan(flat, emb.num_rows)  # checks the range in the compiled pass
+                except StpipeIndexError:
+                    for part in x:  # name the part and position of the first bad id
+                        check_ids(part, emb.num_rows)
+                    raise
                 flight.tables[name] = _TableFlight(plan=p, parts=list(x), single=False)
                 flight.tables[name]._shapes = [a.shape for a in arrs]  # type: ignore[attr-defined]
             else:

@@ -228,11 +228,13 @@ def _placement(*, on_gpu: bool, pin: bool, cupy_named: bool, what: str,
 # ---------------------------------------------------------------------------------------
 def _ids_tensor(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host ids as an int64 tensor on ``device`` (an H2D copy on the current stream)."""
-    t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    arr = np.ascontiguousarray(ids, dtype=np.int64)
     if device.type == "cuda":
-        # Pageable source: cudaMemcpyAsync stages it before returning, so `ids` may go.
-        return t.to(device, non_blocking=True)
-    return t
+        # through stpipe's pinned upload ring: a copy from pageable memory may sync the stream
+        from .._staging import upload
+
+        return upload([arr], device, torch.cuda.current_stream(device))[0]
+    return torch.from_numpy(arr)
 
 
 class _TensorStore:
