@@ -114,35 +114,40 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
     if stream is None:
         stream = torch.cuda.current_stream(device)
     ring = _ring(device)
-    with torch.cuda.stream(stream):
-        dev = torch.empty(total, dtype=torch.uint8, device=device)
     if total > ring.size // 2:  # a large upload: its own pinned buffer
         src = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         src_np = src.numpy()
         for h, off in zip(hosts, offsets):
             src_np[off:off + h.nbytes] = h.reshape(-1).view(np.uint8)
         with torch.cuda.stream(stream):
+            dev = torch.empty(total, dtype=torch.uint8, device=device)
+            # the caching host allocator keeps `src` until the copy has run (it records
+            # an event on the copy's stream), so it may be dropped on return
             dev.copy_(src, non_blocking=True)
-        # the pinned source must outlive the copy: the caching host allocator keeps it
-        # until the copy's stream passes this point (it records the stream's event)
         return _views(dev, hosts, offsets)
     with ring.lock:
         base = ring.alloc(total)
+        dst = ring.np
         for h, off in zip(hosts, offsets):
             if h.nbytes:
-                ring.np[base + off:base + off + h.nbytes] = h.reshape(-1).view(np.uint8)
+                dst[base + off:base + off + h.nbytes] = h.reshape(-1).view(np.uint8)
+        ev = torch.cuda.Event()
         with torch.cuda.stream(stream):
+            dev = torch.empty(total, dtype=torch.uint8, device=device)
             dev.copy_(ring.buf[base:base + total], non_blocking=True)
-            ev = torch.cuda.Event()
             ev.record(stream)
         ring.pending.append((base, base + total, ev))
     return _views(dev, hosts, offsets)
 
 
+_TORCH_DTYPE: Dict[np.dtype, torch.dtype] = {}
+
+
 def _views(dev: torch.Tensor, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> List[torch.Tensor]:
     out = []
     for h, off in zip(hosts, offsets):
-        dt = torch.from_numpy(np.empty(0, dtype=h.dtype)).dtype
-        t = dev[off:off + h.nbytes].view(dt).view(h.shape)
-        out.append(t)
+        dt = _TORCH_DTYPE.get(h.dtype)
+        if dt is None:
+            dt = _TORCH_DTYPE.setdefault(h.dtype, torch.from_numpy(np.empty(0, dtype=h.dtype)).dtype)
+        out.append(dev[off:off + h.nbytes].view(dt).view(h.shape))
     return out

@@ -200,7 +200,9 @@ def test_gpu_prefetch_failure_is_reraised(cuda_device, depth, monkeypatch):
     ref = train(cuda_device, 0, "adam", data[:6])
     emb = make_emb(cuda_device)
     opt = OPTIMIZERS["adam"](emb.parameters())
-    real = emb.table.gather
+    import stpipe.pipeline as pipeline_mod
+
+    real = pipeline_mod._gather_many  # the fused gather of rows + state, one call per batch
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -210,7 +212,7 @@ def test_gpu_prefetch_failure_is_reraised(cuda_device, depth, monkeypatch):
                 raise RuntimeError("injected")
         return real(*a, **kw)
 
-    monkeypatch.setattr(emb.table, "gather", flaky)
+    monkeypatch.setattr(pipeline_mod, "_gather_many", flaky)
     with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
         with pytest.raises(RuntimeError, match="injected") as info:
             for step in pipe.run(data):

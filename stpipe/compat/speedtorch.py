@@ -82,6 +82,7 @@ from .._errors import (
     StpipeTypeError,
     StpipeValueError,
 )
+from ..kernels import IndexBatch
 from ..planner import as_index_array, check_ids, plan
 
 __all__ = [
@@ -573,6 +574,12 @@ class _Layout:
         self.identity = (not self.has_dups) and bool(np.array_equal(self.unique, self.ids))
         self._dev: Dict[Tuple[str, str], torch.Tensor] = {}
         self._last: Optional[np.ndarray] = None
+        # the unique ids as one IndexBatch shared by every host-table gather and scatter of
+        # this batch (model and optimizer switchers): range-checked in O(1), uploaded once
+        self._unique_batch = IndexBatch(host=self.unique, is_sorted=True)
+
+    def _uids(self, store: Any) -> Any:
+        return self._unique_batch if isinstance(store, _HostStore) else self.unique
 
     @property
     def weight_rows(self) -> int:
@@ -614,9 +621,9 @@ class _Layout:
     def gather(self, store: Any, device: torch.device) -> torch.Tensor:
         """The rows in this layout, on ``device``."""
         if self.compact or self.identity:
-            return store.gather(self.unique, device, self._dev_ids(store, "unique"))
+            return store.gather(self._uids(store), device, self._dev_ids(store, "unique"))
         if store.sorted_helps:  # read host memory in address order, permute on device
-            rows = store.gather(self.unique, device)
+            rows = store.gather(self._uids(store), device)
             return rows.index_select(0, self.on("inverse", rows.device))
         return store.gather(self.ids.astype(np.int64, copy=False), device,
                             self._dev_ids(store, "ids"))
@@ -630,11 +637,11 @@ class _Layout:
                 "afterOptimizerStep must get the ids given to beforeForwardPass"
             )
         if self.compact or self.identity:
-            store.scatter(self.unique, rows, self._dev_ids(store, "unique"))
+            store.scatter(self._uids(store), rows, self._dev_ids(store, "unique"))
         elif not self.has_dups and not store.sorted_helps:
             store.scatter(self.ids.astype(np.int64, copy=False), rows, self._dev_ids(store, "ids"))
         else:
-            store.scatter(self.unique, rows.index_select(0, self.on("last", rows.device)))
+            store.scatter(self._uids(store), rows.index_select(0, self.on("last", rows.device)))
 
 
 #: the last layout computed for each parameter (shared by its model and optimizer switchers)
