@@ -251,6 +251,8 @@ def main(argv=None) -> int:
         info["cupy"] = None
     print(json.dumps(info))
     result = dict(info=info, gadget=[], train=[])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         if "gadget" not in args.skip:
             path = os.path.join(tmp, "table.npy")
