@@ -124,11 +124,12 @@ def sgns_loss(u: torch.Tensor, vp: torch.Tensor, vn: torch.Tensor) -> torch.Tens
 def timed(dev: torch.device, warmup: int, batches, step_fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor]):
     """Run step_fn over batches; time the steps after ``warmup``."""
     losses = []
-    t0 = None
+    t0 = c0 = None
     for i, b in enumerate(batches):
         if i == warmup:
             sync(dev)
             t0 = time.perf_counter()
+            c0 = time.thread_time()
         loss = step_fn(b)
         if i in (0, len(batches) - 1):
             losses.append(float(loss.detach()))
@@ -136,6 +137,7 @@ def timed(dev: torch.device, warmup: int, batches, step_fn: Callable[[Dict[str, 
     dt = time.perf_counter() - t0
     n = len(batches) - warmup
     return {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
+            "train_cpu_ms_per_step": 1e3 * (time.thread_time() - c0) / n,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
@@ -320,6 +322,7 @@ class _Stpipe:
                 if step.index == args.warmup:
                     sync(dev)
                     t0 = time.perf_counter()
+                    c0, p0 = time.thread_time(), pipe.prefetch_cpu_s
                     if trace:
                         tracer = _Tracer(dev)
                 with step:
@@ -332,6 +335,7 @@ class _Stpipe:
                     losses.append(float(loss.detach()))
             pipe.synchronize()
             sync(dev)
+            c1 = time.thread_time()
         dt = time.perf_counter() - t0
         if tracer is not None:
             tracer.finish(trace)
@@ -343,6 +347,8 @@ class _Stpipe:
                     decisions[str(key)] = {"chosen": chosen, "times_ms": {k: round(v * 1e3, 3) for k, v in times.items()}}
         n = len(batches) - args.warmup
         res = {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
+               "train_cpu_ms_per_step": 1e3 * (c1 - c0) / n,
+               "prefetch_cpu_ms_per_step": 1e3 * (pipe.prefetch_cpu_s - p0) / n,
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
                "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
@@ -443,6 +449,16 @@ def main(argv=None) -> int:
                 results[m] = run_speedtorch(args, dev, batches)
             elif m in ("compute_only", "compute_only_fused"):
                 results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
+            elif m == "stpipe_depth1_switch":
+                # GIL hand-over experiment: a 0.2 ms switch interval instead of 5 ms
+                if st is None:
+                    st = _Stpipe(args, dev)
+                old_si = sys.getswitchinterval()
+                sys.setswitchinterval(0.0002)
+                try:
+                    results[m] = st.run(args, dev, batches, 1)
+                finally:
+                    sys.setswitchinterval(old_si)
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)
                 gc.collect()
@@ -472,13 +488,15 @@ def main(argv=None) -> int:
         if ceiling and "steps_per_s" in r:
             r["ratio_to_ceiling"] = r["steps_per_s"] / ceiling
     log("")
-    log(f"{'method':<24}{'steps/s':>10}{'ms/step':>10}{'x ceiling':>11}{'GPU peak GB':>13}{'GPU used GB':>13}{'host RSS GB':>13}")
+    log(f"{'method':<24}{'steps/s':>10}{'ms/step':>10}{'x ceiling':>11}{'GPU peak GB':>13}{'GPU used GB':>13}"
+        f"{'host RSS GB':>13}{'train CPU ms':>14}{'prefetch CPU ms':>17}")
     for name, r in results.items():
         if "steps_per_s" not in r:
             log(f"{name:<24}  {r.get('skipped') or r.get('error')}")
             continue
         log(f"{name:<24}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r.get('ratio_to_ceiling', float('nan')):>11.2f}"
-            f"{r['gpu_peak_alloc_gb']:>13.2f}{r['gpu_used_gb']:>13.2f}{r['host_rss_gb']:>13.2f}")
+            f"{r['gpu_peak_alloc_gb']:>13.2f}{r['gpu_used_gb']:>13.2f}{r['host_rss_gb']:>13.2f}"
+            f"{r.get('train_cpu_ms_per_step', float('nan')):>14.2f}{r.get('prefetch_cpu_ms_per_step', float('nan')):>17.2f}")
     prof = results.get("stpipe_depth1_profile", {}).get("profile_ms")
     if prof:
         log("stpipe depth 1 profile (median ms/step, synchronised phases): "

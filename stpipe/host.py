@@ -827,10 +827,16 @@ def _fused_mover(tables: "List[HostTable]") -> Any:
         if (not t.pinned or t.backend not in ("auto", "cupy") or t.dtype != t0.dtype
                 or t.dim != t0.dim or t.device != t0.device or t.num_rows != t0.num_rows):
             return None
-    try:
-        return get_backend("cupy")
-    except BackendUnavailableError:
-        return None
+    global _FUSED
+    if _FUSED is None:
+        try:
+            _FUSED = get_backend("cupy")
+        except BackendUnavailableError:
+            _FUSED = False
+    return _FUSED or None
+
+
+_FUSED: Any = None  # the cupy backend once loaded, False when it cannot load
 
 
 def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tensor,

@@ -429,6 +429,8 @@ class Pipeline:
         self._profile = bool(profile)
         self.profile: List[Dict[str, float]] = []
         self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0}
+        #: CPU seconds the prefetch threads of this pipeline have used (``time.thread_time``)
+        self.prefetch_cpu_s = 0.0
         self.join_timeout = float(join_timeout)
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
@@ -731,6 +733,7 @@ class Pipeline:
     # --------------------------------------------------------- prefetch thread
     def _producer(self, run: _Run, it: Iterator[Any]) -> None:
         slot = None
+        cpu0 = time.thread_time()
         try:
             if self._cuda:
                 torch.cuda.set_device(self.device)
@@ -754,6 +757,9 @@ class Pipeline:
                 self._issue(flight, run)
                 slot = None  # owned by the flight now
                 run.where = f"handing batch {idx} to the training thread"
+                cpu1 = time.thread_time()
+                self.prefetch_cpu_s += cpu1 - cpu0
+                cpu0 = cpu1
                 if not run.put(flight):
                     return
         except BaseException as exc:  # noqa: BLE001 - everything goes to the training thread
@@ -873,15 +879,17 @@ class Pipeline:
         flight.copies = copies
         flight._alias = alias  # type: ignore[attr-defined]
 
-    def _claim_batch(self, flight: _Flight) -> None:
-        """Order the caller's current stream after the batch's copies (no host sync).
+    def _claim_batch(self, flight: _Flight, cur: Any = None) -> None:
+        """Order the caller's current stream (``cur`` when the caller has it) after the
+        batch's copies (no host sync).
 
         The current stream waits on ``flight.batch_event`` and every copy is
         ``record_stream``-ed on it, once per stream.
         """
         if flight.batch_event is None:
             return
-        cur = torch.cuda.current_stream(self.device)
+        if cur is None:
+            cur = torch.cuda.current_stream(self.device)
         if any(s == cur for s in flight.claimed):
             return
         cur.wait_event(flight.batch_event)
@@ -1013,7 +1021,7 @@ class Pipeline:
             if self._profile:
                 f.ready.synchronize()
             compute.wait_event(f.ready)
-            self._claim_batch(f)
+            self._claim_batch(f, compute)
             for buf in f.dev_bufs:  # the uploaded inverses (used by forward on compute)
                 buf.record_stream(compute)
         for name, tf in f.tables.items():

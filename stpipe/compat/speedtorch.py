@@ -605,6 +605,15 @@ class _Layout:
         """``inverse`` / ``last`` / ``ids`` as an int64 tensor on ``device`` (cached)."""
         key = (name, str(device))
         got = self._dev.get(key)
+        if got is None and name in ("inverse", "unique") and device.type == "cuda":
+            # both in one upload (the forward hook needs one, a GPU-resident table the other)
+            from .._staging import upload
+
+            inv, uniq = upload([np.ascontiguousarray(self.inverse, dtype=np.int64), self.unique],
+                               device, torch.cuda.current_stream(device))
+            self._dev[("inverse", str(device))] = inv
+            self._dev[("unique", str(device))] = uniq
+            got = self._dev[key]
         if got is None:
             src = {"inverse": self.inverse, "last": self.last_pos(), "ids": self.ids,
                    "unique": self.unique}[name]
