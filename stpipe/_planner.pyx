@@ -74,6 +74,41 @@ def first_out_of_range(const index_t[::1] ids not None, int64_t num_rows):
     return pos
 
 
+cdef inline Py_ssize_t _first_repeat(const index_t[::1] ids, unsigned char* seen) noexcept nogil:
+    """Position of the first id seen before it in ``ids`` (``seen``: a zeroed bitmap)."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    cdef int64_t v
+    cdef unsigned char bit
+    for i in range(n):
+        v = ids[i]
+        bit = <unsigned char>(1 << (v & 7))
+        if seen[v >> 3] & bit:
+            return i
+        seen[v >> 3] |= bit
+    return -1
+
+
+def first_repeat(const index_t[::1] ids not None, unsigned char[::1] seen not None):
+    """Return the position of the first id that already occurred earlier, or -1.
+
+    Args:
+        ids: ``(n,)`` int32 or int64, C-contiguous, every id in ``[0, 8 * len(seen))``
+            (checked by the caller: an id outside is undefined behaviour).
+        seen: a zeroed bitmap of at least ``num_rows / 8`` bytes; it is zeroed again
+            before return (only the bytes the ids touched are written), so a caller can
+            keep one per thread and skip the page faults of a fresh allocation.
+    """
+    cdef Py_ssize_t pos, i, end
+    cdef int64_t v
+    with nogil:
+        pos = _first_repeat(ids, &seen[0])
+        end = ids.shape[0] if pos < 0 else pos
+        for i in range(end):
+            v = ids[i]
+            seen[v >> 3] = 0
+    return pos
+
+
 cdef inline int _bit_length(uint64_t x) noexcept nogil:
     cdef int b = 0
     while x:

@@ -25,6 +25,7 @@ compiled one when it imports. Example::
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from ._errors import StpipeIndexError, StpipeTypeError, StpipeValueError
 
-__all__ = ["Plan", "plan", "overlap", "implementation", "check_ids", "as_index_array"]
+__all__ = ["Plan", "plan", "overlap", "implementation", "check_ids", "as_index_array", "first_repeat"]
 
 try:  # the compiled planner; absent when the package was not built
     from . import _planner as _compiled
@@ -194,6 +195,45 @@ def check_ids(ids: Any, num_rows: int) -> np.ndarray:
     if pos >= 0:
         _raise_out_of_range(arr, flat, pos, num_rows)
     return arr
+
+
+def _first_repeat_numpy(flat: np.ndarray) -> int:
+    """Pure-numpy twin of :func:`stpipe._planner.first_repeat`."""
+    if flat.shape[0] < 2:
+        return -1
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    again = ordered[1:] == ordered[:-1]
+    if not again.any():
+        return -1
+    return int(order[1:][again].min())
+
+
+def first_repeat(ids: Any, num_rows: int) -> int:
+    """Position (in ``ids`` flattened) of the first id that occurred earlier, or -1.
+
+    A duplicate check in O(n) with a bitmap of ``num_rows`` bits (the compiled planner;
+    its numpy twin sorts). The ids are range-checked first.
+
+    Raises:
+        StpipeIndexError, StpipeTypeError: as :func:`check_ids`.
+    """
+    arr = check_ids(ids, num_rows)
+    flat = arr.reshape(-1)
+    if flat.shape[0] < 2:
+        return -1
+    if implementation() == "cython":
+        need = (int(num_rows) + 7) // 8
+        seen = getattr(_scratch, "bitmap", None)
+        if seen is None or seen.shape[0] < need:
+            seen = np.zeros(need, dtype=np.uint8)
+            _scratch.bitmap = seen
+        return int(_compiled.first_repeat(flat, seen))
+    return _first_repeat_numpy(flat)
+
+
+#: per-thread scratch of :func:`first_repeat` (a zeroed bitmap, zeroed again after use)
+_scratch = threading.local()
 
 
 def _plan_numpy(flat: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -216,3 +216,33 @@ def test_planner_releases_the_gil():
     during = [x for x in ticks if start < x < start + dur]
     # with the GIL held for the whole plan the ticker could not run at all meanwhile
     assert dur < 0.02 or len(during) >= 3, (dur, len(during))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ids=hnp.arrays(np.int64, st.integers(0, 300), elements=st.integers(0, 199)),
+)
+def test_first_repeat_matches_twin_and_definition(ids):
+    """The compiled bitmap scan, its numpy twin and the definition agree; the scratch
+    bitmap is left zeroed for the next call."""
+    seen_before = set()
+    want = -1
+    for i, v in enumerate(ids.tolist()):
+        if v in seen_before:
+            want = i
+            break
+        seen_before.add(v)
+    assert planner._first_repeat_numpy(ids) == want
+    assert planner.first_repeat(ids, 200) == want
+    bitmap = getattr(planner._scratch, "bitmap", None)  # made on first use (>= 2 ids)
+    assert bitmap is None or not bitmap.any()
+    assert planner.first_repeat(ids.astype(np.int32), 200) == want
+
+
+def test_first_repeat_checks_ids():
+    with pytest.raises(IndexError, match="out of range"):
+        planner.first_repeat(np.array([1, 5]), 5)
+    with pytest.raises(TypeError):
+        planner.first_repeat(np.array([0.5]), 5)
+    assert planner.first_repeat([3, 1, 3], 4) == 2
+    assert planner.first_repeat([], 4) == -1

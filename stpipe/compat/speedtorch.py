@@ -83,7 +83,7 @@ from .._errors import (
     StpipeValueError,
 )
 from ..kernels import IndexBatch
-from ..planner import as_index_array, check_ids, plan
+from ..planner import as_index_array, check_ids, first_repeat, plan
 
 __all__ = [
     "ModelFactory",
@@ -1308,17 +1308,10 @@ class CPUPytorchOptimizerFactory(PytorchOptimizerFactory):
 # ---------------------------------------------------------------------------------------
 # DataGadget
 # ---------------------------------------------------------------------------------------
-def _distinct(flat: np.ndarray, ids_dev: Optional[torch.Tensor] = None) -> bool:
-    """True when the ``(n,)`` ids hold no repeat (sorted on the GPU when there is one)."""
-    n = flat.shape[0]
-    if n < 2 or bool(np.all(flat[1:] > flat[:-1])):
-        return True
-    if ids_dev is None and _cuda.cuda_available():
-        ids_dev = _ids_tensor(flat, _cuda_device())
-    if ids_dev is not None:
-        s = torch.sort(ids_dev).values
-        return not bool((s[1:] == s[:-1]).any())  # reads one flag back
-    return int(np.unique(flat).shape[0]) == n
+def _distinct(flat: np.ndarray, num_rows: int) -> bool:
+    """True when the ``(n,)`` checked ids hold no repeat: a host-side bitmap pass of the
+    compiled planner (O(n), no GPU round trip, so nothing waits on the device)."""
+    return first_repeat(flat, num_rows) < 0
 
 
 def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
@@ -1396,9 +1389,8 @@ class DataGadget:
         ``(n, *row_shape)``, any device) into rows ``indexes``. Where an id repeats, its
         last occurrence is written, once (SpeedTorch kept one at random).
 
-        Streams: reads ``dataObject`` on the current stream of its device. Checking the
-        ids for repeats reads one flag back from the GPU (a wait on the current stream,
-        not the device).
+        Streams: reads ``dataObject`` on the current stream of its device; nothing waits
+        on the device (repeats are found on the host, in one pass over the ids).
 
         Raises:
             IndexError: an id out of range. ValueError: a shape that does not fit.
@@ -1421,7 +1413,7 @@ class DataGadget:
         ids_dev = None
         if isinstance(store, _TensorStore) and store.device.type == "cuda":
             ids_dev = _ids_tensor(flat, store.device)
-        if _distinct(flat, ids_dev):
+        if _distinct(flat, store.num_rows):
             store.scatter(flat, rows, ids_dev)
         else:
             _Layout(flat, store.num_rows, dedup=False).scatter(store, rows)
