@@ -871,7 +871,7 @@ class Pipeline:
             alias[id(t)] = out
             return out
 
-        with torch.cuda.device(device), torch.cuda.stream(self._copy_stream):
+        with torch.cuda.stream(self._copy_stream):  # the device is current in this thread
             flight.batch = _map_tensors(to_device, flight.source)
             ev = torch.cuda.Event()
             ev.record(self._copy_stream)
@@ -1198,9 +1198,17 @@ def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:
     passes through an empty tensor of another dtype first.
     """
     param.grad = None
-    other = torch.float64 if view.dtype != torch.float64 else torch.float32
-    param.data = torch.empty(0, dtype=other, device=view.device)
+    key = (view.dtype, view.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        other = torch.float64 if view.dtype != torch.float64 else torch.float32
+        empty = _EMPTY.setdefault(key, torch.empty(0, dtype=other, device=view.device))
+    param.data = empty
     param.data = view
+
+
+#: one empty tensor of another dtype per (dtype, device), for :func:`_set_working`
+_EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 class _Stopped(Exception):
