@@ -682,6 +682,8 @@ class HostTable:
     # -- movement --------------------------------------------------------------------
     def _ids(self, ids: Any) -> IndexBatch:
         if isinstance(ids, IndexBatch):
+            if ids.checked_rows == self.num_rows:
+                return ids
             # the pipeline builds one per batch and table from plan.unique and shares it
             # between the table and its optimizer-state tables, so the ids are sort-checked
             # and uploaded once; the range check against this table stays (O(1) when sorted)

@@ -452,3 +452,16 @@ def test_index_batch_is_trusted_but_range_checked():
     small = HostTable(50, 4, device="cpu", pin=False)
     with pytest.raises(IndexError, match="row id 99"):
         small.gather(batch)
+
+
+def test_index_batch_checked_for_another_table_is_checked_again():
+    """An IndexBatch range-checked against another row count gets this table's check."""
+    import numpy as np
+    from stpipe.kernels import IndexBatch
+
+    t = HostTable(10, 2, device="cpu")
+    bad = IndexBatch(host=np.array([3, 12], dtype=np.int64), checked_rows=20)
+    with pytest.raises(IndexError, match="12"):
+        t.gather(bad)
+    ok = IndexBatch(host=np.array([3, 9], dtype=np.int64), checked_rows=10)
+    assert t.gather(ok).shape == (2, 2)

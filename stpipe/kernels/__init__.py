@@ -63,11 +63,14 @@ class IndexBatch:
         device_ids: an optional ``(n,)`` int64 CUDA tensor holding the same ids (the
             caller's own tensor when it passed one); see :meth:`on_device`.
         is_sorted: ``host`` is non-decreasing (the planner's ``unique`` is).
+        checked_rows: the row count ``host`` was already range-checked against (``-1``:
+            not checked); a table of that many rows skips its own check.
     """
 
     host: np.ndarray
     device_ids: Optional[torch.Tensor] = None
     is_sorted: bool = False
+    checked_rows: int = -1
     _uploaded: Dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
