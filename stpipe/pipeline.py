@@ -27,7 +27,10 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock.
 3. Under the pipeline's *issue lock* it gathers ``j``'s unique rows (and the per-row
    optimizer state known so far) from the host tables into slot buffers on the copy
-   stream, records ``j.ready`` there, and adds ``j`` to the in-flight set.
+   stream, records ``j.ready`` there, and adds ``j`` to the in-flight set. A slot holds a
+   table's rows and state as one ``(1 + keys, cap, dim)`` stack, so one fused UVA launch
+   (:func:`stpipe.host.gather_many`) gathers them all, and one ``index_select`` /
+   ``index_copy_`` pair does a fix-up (5a).
 4. The training thread, entering step ``j``, makes its current (compute) stream wait for
    ``j.ready`` (no host synchronisation), points ``emb.weight.data`` and
    ``optimizer.state[weight][key]`` at views ``buf[:k]`` of the slot, and runs the user's
@@ -502,11 +505,12 @@ class Pipeline:
         pipeline's device ahead of its step, so ``step.batch`` holds device tensors.
 
         Streams (CUDA): the copies run on the pipeline's copy stream, issued by the
-        prefetch thread (by the training thread at depth 0) before the batch's gather;
-        pageable tensors are pinned first in that thread (pass ``pin_memory=True`` to the
-        ``DataLoader`` to spare it). No host sync: entering the step (or reading
-        ``step.batch``) makes the current stream wait on the batch's event, and every copy
-        is ``record_stream``-ed on it. The source batch is kept alive until the step
+        prefetch thread (by the training thread at depth 0) before the batch's gather: the
+        batch's CPU tensors and the planned ids travel together, packed into stpipe's pinned
+        upload ring and moved by one asynchronous copy (a tensor of a dtype numpy lacks,
+        bfloat16, is pinned and copied on its own). No host sync: entering the step (or
+        reading ``step.batch``) makes the current stream wait on the batch's event, and the
+        device buffer is ``record_stream``-ed on it. The source batch is kept alive until the step
         ends. Tensors already on the device pass through. On CPU nothing moves.
 
         Args:
