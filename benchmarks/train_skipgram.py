@@ -20,7 +20,13 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * ``compute_only`` / ``compute_only_fused``: the user's step alone on GPU-resident working
   rows of each step's size (no tables, no transfers): the lower bound of the design;
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
-  profile synchronises at each phase, so it is a breakdown, not a speed).
+  profile synchronises at each phase, so it is a breakdown, not a speed);
+* on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
+  interval, an experiment) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
+  tables written to ``--trace DIR``, default ``OUT/trace``).
+
+Every row also reports CPU time per step of the training thread (``time.thread_time``)
+and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``).
 
 Reported: steps/s, ms/step, ratio to the ceiling, peak GPU memory allocated by PyTorch
 (``max_memory_allocated``) and device-wide memory in use (``mem_get_info``; this one also
