@@ -116,28 +116,33 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
     ring = _ring(device)
     if total > ring.size // 2:  # a large upload: its own pinned buffer
         src = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        src_np = src.numpy()
-        for h, off in zip(hosts, offsets):
-            src_np[off:off + h.nbytes] = h.reshape(-1).view(np.uint8)
-        with torch.cuda.stream(stream):
-            dev = torch.empty(total, dtype=torch.uint8, device=device)
-            # the caching host allocator keeps `src` until the copy has run (it records
-            # an event on the copy's stream), so it may be dropped on return
-            dev.copy_(src, non_blocking=True)
-        return _views(dev, hosts, offsets)
+        _pack(src.numpy(), 0, hosts, offsets)
+        # the caching host allocator keeps `src` until the copy has run (it records an
+        # event on the copy's stream), so it may be dropped on return
+        return _views(_copy_up(src, device, stream), hosts, offsets)
     with ring.lock:
         base = ring.alloc(total)
-        dst = ring.np
-        for h, off in zip(hosts, offsets):
-            if h.nbytes:
-                dst[base + off:base + off + h.nbytes] = h.reshape(-1).view(np.uint8)
+        _pack(ring.np, base, hosts, offsets)
+        dev = _copy_up(ring.buf[base:base + total], device, stream)
         ev = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            dev = torch.empty(total, dtype=torch.uint8, device=device)
-            dev.copy_(ring.buf[base:base + total], non_blocking=True)
-            ev.record(stream)
+        ev.record(stream)
         ring.pending.append((base, base + total, ev))
     return _views(dev, hosts, offsets)
+
+
+def _pack(dst: np.ndarray, base: int, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+    """Copy each host array's bytes to ``dst[base + offset:]``."""
+    for h, off in zip(hosts, offsets):
+        if h.nbytes:
+            dst[base + off:base + off + h.nbytes] = h.reshape(-1).view(np.uint8)
+
+
+def _copy_up(src: torch.Tensor, device: torch.device, stream: "torch.cuda.Stream") -> torch.Tensor:
+    """A device byte buffer allocated on ``stream`` and filled from pinned ``src`` there."""
+    with torch.cuda.stream(stream):
+        dev = torch.empty(src.shape[0], dtype=torch.uint8, device=device)
+        dev.copy_(src, non_blocking=True)
+    return dev
 
 
 _TORCH_DTYPE: Dict[np.dtype, torch.dtype] = {}

@@ -29,6 +29,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -698,8 +699,7 @@ class HostTable:
             )
         host = arr.astype(np.int64, copy=False)
         dev = ids if isinstance(ids, torch.Tensor) and ids.device.type == "cuda" else None
-        is_sorted = host.shape[0] < 2 or bool(np.all(host[1:] >= host[:-1]))
-        return IndexBatch(host=host, device_ids=dev, is_sorted=is_sorted)
+        return IndexBatch.of(host, device_ids=dev)
 
     def _check_rows(self, name: str, t: Any, n: int) -> None:
         if not isinstance(t, torch.Tensor):
@@ -816,6 +816,9 @@ class HostTable:
         self._after(mover, s, write=True)
 
 
+_FUSED: Any = None  # the cupy backend once loaded, False when it cannot load
+
+
 def _fused_mover(tables: "List[HostTable]") -> Any:
     """The UVA backend that can move all ``tables`` in one launch, or ``None``.
 
@@ -837,8 +840,6 @@ def _fused_mover(tables: "List[HostTable]") -> Any:
             _FUSED = False
     return _FUSED or None
 
-
-_FUSED: Any = None  # the cupy backend once loaded, False when it cannot load
 
 
 def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tensor,
@@ -863,7 +864,7 @@ def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tenso
                 out = planes[g]
                 res = t.gather(batch, out=out if out.is_contiguous() else None, stream=stream)
                 if res.data_ptr() != out.data_ptr():
-                    with torch.cuda.stream(t._stream(stream)) if t.device.type == "cuda" else _null():
+                    with torch.cuda.stream(t._stream(stream)) if t.device.type == "cuda" else contextlib.nullcontext():
                         out.copy_(res)
             else:
                 t.scatter(batch, planes[g], stream=stream, assume_unique=True)
@@ -916,14 +917,6 @@ def scatter_many(tables: "List[HostTable]", ids: Any, rows: torch.Tensor,
     stream contract (``rows`` is ``record_stream``-ed on the stream, a write event shared
     by the tables is recorded)."""
     _move_many("scatter", list(tables), ids, rows, stream)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _check_unique(batch: IndexBatch) -> None:

@@ -99,6 +99,15 @@ _thread_ids = itertools.count()
 # --------------------------------------------------------------------------- traversal
 
 
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` by a non-blocking copy on the current stream; a pageable CPU
+    tensor is pinned first (a CPU copy into the caching host allocator), so the copy is
+    asynchronous and the pinned source lives until the copy has run."""
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of a nested batch, keeping the structure.
 
@@ -367,10 +376,7 @@ def _move(
         hit = seen.get(id(t))
         if hit is not None:
             return hit
-        src = t
-        if src.device.type == "cpu" and not src.is_pinned():
-            src = src.pin_memory()
-        out = src.to(device, non_blocking=True)
+        out = _copy_to(t, device)
         seen[id(t)] = out
         copies.append(out)
         return out

@@ -86,6 +86,7 @@ the prefetch thread still plans and gathers ahead into CPU staging.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -103,7 +104,7 @@ from ._staging import upload as _upload
 from .host import gather_many as _gather_many
 from .host import scatter_many as _scatter_many
 from .kernels import IndexBatch
-from .loader import _put_unless_stopped
+from .loader import _copy_to, _map_tensors, _put_unless_stopped
 from .planner import Plan, as_index_array, check_ids, overlap
 from .planner import plan as _plan
 
@@ -231,10 +232,11 @@ class _Slots:
             return self.stack[slot][1 + keys.index(key), :k]
         return self.extra[slot][key][:k]
 
-    def planes(self, slot: int, k: int, keys: Sequence[str]) -> torch.Tensor:
-        """``(1 + m, k, dim)``: rows and the stacked keys among ``keys`` (a prefix)."""
-        m = sum(1 for key in self.stacked[slot] if key in keys)
-        return self.stack[slot][: 1 + m, :k]
+    def group(self, slot: int, k: int, keys: Iterable[str]) -> Tuple[List[str], torch.Tensor]:
+        """The stacked keys among ``keys`` (a prefix of the stack) and their planes
+        ``(1 + m, k, dim)``, the rows first: what one fused call moves."""
+        stacked = [key for key in self.stacked[slot] if key in keys]
+        return stacked, self.stack[slot][: 1 + len(stacked), :k]
 
     def ensure(self, slot: int, k: int, keys: Sequence[str], streams: Sequence[Any]) -> None:
         """Make slot ``slot`` hold at least ``k`` rows and a buffer for each state key.
@@ -255,15 +257,15 @@ class _Slots:
         if old is None or k > cap or want != old_keys:
             new_cap = max(k, emb.capacity, (cap * 3) // 2 if k > cap else cap, 1)
             new = torch.empty(1 + len(want), new_cap, emb.embedding_dim, dtype=emb.dtype, device=emb.device)
+            n = min(cap, new_cap)  # rows worth keeping
             if old is not None:
-                n = min(cap, new_cap)
                 new[: old.shape[0], :n].copy_(old[:, :n])
                 self._retire(old, streams)
             self.stack[slot], self.stacked[slot] = new, want
             extra = self.extra[slot]
             for key, buf in list(extra.items()):
                 grown = torch.empty(new_cap, emb.embedding_dim, dtype=buf.dtype, device=emb.device)
-                grown[: min(cap, new_cap)].copy_(buf[: min(cap, new_cap)])
+                grown[:n].copy_(buf[:n])
                 self._retire(buf, streams)
                 extra[key] = grown
             self.cap[slot] = cap = new_cap
@@ -822,7 +824,6 @@ class Pipeline:
         n_idx = len(arrays)
         moved: List[torch.Tensor] = []
         if self._cuda and self._to_device:
-            from .loader import _map_tensors
 
             device = self.device
             seen: Dict[int, Any] = {}
@@ -837,8 +838,6 @@ class Pipeline:
             _map_tensors(collect, flight.source)
             arrays.extend(moved)
         outs = _upload(arrays, self.device, self._copy_stream)
-        if self._cuda:
-            flight.dev_bufs.append(outs[0])
         for i, tf in enumerate(flight.tables.values()):
             inv = outs[2 * i]
             if self._cuda:
@@ -853,9 +852,11 @@ class Pipeline:
                     start += n
                 tf.part_inverse = out
         if not (self._cuda and self._to_device):
+            if self._cuda:
+                flight.dev_bufs.append(outs[0])  # recorded on the compute stream at entry
             return
         done: Dict[int, torch.Tensor] = {id(t): o for t, o in zip(moved, outs[n_idx:])}
-        copies: List[torch.Tensor] = [outs[0]]
+        copies: List[torch.Tensor] = [outs[0]]  # claimed (recorded) with the batch at entry
         alias: Dict[int, torch.Tensor] = {}
         device = self.device
 
@@ -867,10 +868,7 @@ class Pipeline:
                 return hit
             out = done.get(id(t))
             if out is None:  # not numpy-representable, or on another GPU
-                src = t.detach()
-                if src.device.type == "cpu" and not src.is_pinned():
-                    src = src.pin_memory()
-                out = src.to(device, non_blocking=True)
+                out = _copy_to(t.detach(), device)
                 copies.append(out)
             alias[id(t)] = out
             return out
@@ -936,7 +934,7 @@ class Pipeline:
         Stream: the copy stream; records ``flight.ready`` there. On CPU: synchronous.
         """
         cs = self._copy_stream
-        ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
+        ctx = torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext()
         with ctx:
             for name, tf in flight.tables.items():
                 if run is not None:
@@ -962,9 +960,8 @@ class Pipeline:
         others one by one. Stream: the copy stream (the caller's current one)."""
         k = tf.k
         rs = emb.row_state
-        stacked = [key for key in slots.stacked[slot] if key in keys]
+        stacked, planes = slots.group(slot, k, keys)
         if with_rows or stacked:
-            planes = slots.planes(slot, k, stacked)
             tables = [emb.table] + [rs.tables[key] for key in stacked]
             if not with_rows:
                 planes, tables = planes[1:], tables[1:]
@@ -1006,7 +1003,7 @@ class Pipeline:
                 for name, tf in f.tables.items()}
         if any(late.values()):
             with self._lock:
-                ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
+                ctx = torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext()
                 with ctx:
                     for name, keys in late.items():
                         if not keys:
@@ -1026,7 +1023,7 @@ class Pipeline:
                 f.ready.synchronize()
             compute.wait_event(f.ready)
             self._claim_batch(f, compute)
-            for buf in f.dev_bufs:  # the uploaded inverses (used by forward on compute)
+            for buf in f.dev_bufs:  # uploaded ids not claimed with the batch (used on compute)
                 buf.record_stream(compute)
         for name, tf in f.tables.items():
             emb = self.tables[name]
@@ -1140,7 +1137,7 @@ class Pipeline:
                 sv[key] = buf
             views[name] = (rows, sv)
         with self._lock:
-            ctx = torch.cuda.stream(cs) if self._cuda else _nullctx()
+            ctx = torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext()
             with ctx:
                 if self._cuda:
                     done = torch.cuda.Event()
@@ -1164,9 +1161,9 @@ class Pipeline:
                     emb = self.tables[name]
                     rows, sv = views[name]
                     slots = self._slots[name]
-                    stacked = [key for key in slots.stacked[f.slot] if key in sv]
+                    stacked, planes = slots.group(f.slot, tf.k, sv)
                     _scatter_many([emb.table] + [emb.row_state.tables[key] for key in stacked],
-                                  tf.rows, slots.planes(f.slot, tf.k, stacked), stream=cs)
+                                  tf.rows, planes, stream=cs)
                     for key, buf in sv.items():
                         if key not in stacked:
                             emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
@@ -1217,11 +1214,3 @@ _EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 class _Stopped(Exception):
     """Internal: the run was stopped while the prefetch thread worked."""
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False

@@ -67,7 +67,7 @@ import importlib.util
 import os
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -1329,9 +1329,7 @@ def _checked(flat: np.ndarray, store: Any) -> Any:
     """Ids already range-checked here, as a host table takes them without a second check."""
     if not isinstance(store, _HostStore):
         return flat
-    flat = np.ascontiguousarray(flat, dtype=np.int64)
-    is_sorted = flat.shape[0] < 2 or bool(np.all(flat[1:] >= flat[:-1]))
-    return IndexBatch(host=flat, is_sorted=is_sorted, checked_rows=store.num_rows)
+    return IndexBatch.of(np.ascontiguousarray(flat, dtype=np.int64), checked_rows=store.num_rows)
 
 
 def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:

@@ -73,6 +73,13 @@ class IndexBatch:
     checked_rows: int = -1
     _uploaded: Dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def of(cls, host: np.ndarray, device_ids: Optional[torch.Tensor] = None,
+           checked_rows: int = -1) -> "IndexBatch":
+        """An IndexBatch of the ``(n,)`` int64 ``host`` ids, finding whether they are sorted."""
+        is_sorted = host.shape[0] < 2 or bool(np.all(host[1:] >= host[:-1]))
+        return cls(host=host, device_ids=device_ids, is_sorted=is_sorted, checked_rows=checked_rows)
+
     def __len__(self) -> int:
         return int(self.host.shape[0])
 

@@ -196,6 +196,14 @@ class CupyBackend:
             self._streams[key] = got
         return got
 
+    def _check_pinned(self, index: int, table: torch.Tensor) -> None:
+        """:func:`_device_pointer_check` once per table storage and device."""
+        base = (index, table.untyped_storage().data_ptr())
+        if base not in self._checked:
+            with self._cp.cuda.Device(index):
+                _device_pointer_check(self._cp, table.data_ptr())
+            self._checked[base] = True
+
     def _launch(self, op: str, table: torch.Tensor, ids: IndexBatch, dev_buf: torch.Tensor,
                 stream: "torch.cuda.Stream") -> None:
         n = len(ids)
@@ -206,11 +214,7 @@ class CupyBackend:
         index = device.index
         rb = row_bytes(table)
         tptr, bptr = table.data_ptr(), dev_buf.data_ptr()
-        base = (index, table.untyped_storage().data_ptr())
-        if base not in self._checked:
-            with cp.cuda.Device(index):
-                _device_pointer_check(cp, tptr)
-            self._checked[base] = True
+        self._check_pinned(index, table)
         word = word_bytes(rb, tptr, bptr)
         words = rb // word
         total = n * words
@@ -235,11 +239,7 @@ class CupyBackend:
         isz = planes.element_size()
         ptrs = [t.data_ptr() for t in tables]
         for t in tables:
-            base = (index, t.untyped_storage().data_ptr())
-            if base not in self._checked:
-                with cp.cuda.Device(index):
-                    _device_pointer_check(cp, t.data_ptr())
-                self._checked[base] = True
+            self._check_pinned(index, t)
         plane_bytes = planes.stride(0) * isz
         word = word_bytes(rb, planes.data_ptr(), plane_bytes, *ptrs)
         words = rb // word
