@@ -824,7 +824,6 @@ class Pipeline:
         n_idx = len(arrays)
         moved: List[torch.Tensor] = []
         if self._cuda and self._to_device:
-
             device = self.device
             seen: Dict[int, Any] = {}
 
