@@ -89,7 +89,7 @@ def _as_numpy(a: ArrayLike) -> np.ndarray:
 
 
 def upload(arrays: Sequence[ArrayLike], device: torch.device,
-           stream: "torch.cuda.Stream | None" = None) -> List[torch.Tensor]:
+           stream: "torch.cuda.Stream | None" = None, *, event: bool = False):
     """Copy host arrays to ``device`` with one asynchronous H2D copy; never syncs the stream.
 
     Args:
@@ -98,14 +98,19 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
             memory (``torch.from_numpy``), nothing is copied.
         stream: the CUDA stream that does the copy (default: the current stream).
 
+        event: also return an event recorded on ``stream`` right after the copy
+            (``None`` on a CPU device).
+
     Returns:
         One tensor per array, same dtype and shape, views of one device buffer allocated
-        on ``stream`` (see the module docstring for use on other streams).
+        on ``stream`` (see the module docstring for use on other streams); with
+        ``event=True`` the pair ``(tensors, event)``.
     """
     device = torch.device(device)
     hosts = [_as_numpy(a) for a in arrays]
     if device.type != "cuda":
-        return [torch.from_numpy(h) for h in hosts]
+        views = [torch.from_numpy(h) for h in hosts]
+        return (views, None) if event else views
     offsets, total = [], 0
     for h in hosts:
         offsets.append(total)
@@ -119,7 +124,12 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
         _pack(src.numpy(), 0, hosts, offsets)
         # the caching host allocator keeps `src` until the copy has run (it records an
         # event on the copy's stream), so it may be dropped on return
-        return _views(_copy_up(src, device, stream), hosts, offsets)
+        views = _views(_copy_up(src, device, stream), hosts, offsets)
+        if not event:
+            return views
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return views, ev
     with ring.lock:
         base = ring.alloc(total)
         _pack(ring.np, base, hosts, offsets)
@@ -127,7 +137,8 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
         ev = torch.cuda.Event()
         ev.record(stream)
         ring.pending.append((base, base + total, ev))
-    return _views(dev, hosts, offsets)
+    views = _views(dev, hosts, offsets)
+    return (views, ev) if event else views
 
 
 def _pack(dst: np.ndarray, base: int, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:

@@ -843,7 +843,13 @@ def _fused_mover(tables: "List[HostTable]") -> Any:
 
 
 def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tensor,
-               stream: Optional["torch.cuda.Stream"]) -> None:
+               stream: Optional["torch.cuda.Stream"], pending: Optional[list] = None) -> None:
+    """``op`` (gather/scatter) of ``tables`` over the planes of ``planes``.
+
+    ``pending``: a list the fused path appends ``(mover, tables, write)`` to instead of
+    recording its event, so a caller moving several groups on one stream records one
+    event for all of them (:func:`_finish`); the per-table fallback records its own.
+    """
     t0 = tables[0]
     for t in tables:
         t._check_open()
@@ -878,14 +884,25 @@ def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tenso
         mover.scatter_many([t._data for t in tables], batch, planes, s)
     else:
         mover.gather_many([t._data for t in tables], batch, planes, s)
+    if pending is not None:
+        pending.append((mover, tables, write))
+        return
+    _finish([(mover, tables, write)], s)
+
+
+def _finish(pending: list, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    """Record one event on ``stream`` behind the moves in ``pending`` (see
+    :func:`_move_many`) and make it each table's read or write event; returns it."""
     ev = torch.cuda.Event()
-    ev.record(s)
-    for t in tables:
-        t._after(mover, s, write=write, ev=ev)
+    ev.record(stream)
+    for mover, tables, write in pending:
+        for t in tables:
+            t._after(mover, stream, write=write, ev=ev)
+    return ev
 
 
 def gather_many(tables: "List[HostTable]", ids: Any, out: torch.Tensor,
-                stream: Optional["torch.cuda.Stream"] = None) -> None:
+                stream: Optional["torch.cuda.Stream"] = None, *, pending: Optional[list] = None) -> None:
     """``out[g, j] = tables[g][ids[j]]``: several tables that share ids, in one go.
 
     For a table and its optimizer-state tables. With CuPy and pinned tables of one dtype
@@ -901,22 +918,24 @@ def gather_many(tables: "List[HostTable]", ids: Any, out: torch.Tensor,
         stream: the CUDA stream that does the work (default: the current one).
 
     Streams: as :meth:`HostTable.gather`, for every table; one read event recorded after
-    the launch is shared by the tables.
+    the launch is shared by the tables. ``pending`` (internal, the pipeline's): a list
+    that takes the fused launch's bookkeeping instead, for one event behind several
+    calls (``host._finish``).
 
     Raises:
         StpipeValueError: ``out`` of the wrong shape, dtype or device; see also
             :meth:`HostTable.gather`.
     """
-    _move_many("gather", list(tables), ids, out, stream)
+    _move_many("gather", list(tables), ids, out, stream, pending)
 
 
 def scatter_many(tables: "List[HostTable]", ids: Any, rows: torch.Tensor,
-                 stream: Optional["torch.cuda.Stream"] = None) -> None:
+                 stream: Optional["torch.cuda.Stream"] = None, *, pending: Optional[list] = None) -> None:
     """``tables[g][ids[j]] = rows[g, j]`` for unique ``ids`` (not checked: pass a plan's
     ``unique``); the mirror of :func:`gather_many`, with :meth:`HostTable.scatter`'s
     stream contract (``rows`` is ``record_stream``-ed on the stream, a write event shared
     by the tables is recorded)."""
-    _move_many("scatter", list(tables), ids, rows, stream)
+    _move_many("scatter", list(tables), ids, rows, stream, pending)
 
 
 def _check_unique(batch: IndexBatch) -> None:

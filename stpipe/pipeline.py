@@ -101,6 +101,7 @@ import torch
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from ._staging import upload as _upload
+from .host import _finish
 from .host import gather_many as _gather_many
 from .host import scatter_many as _scatter_many
 from .kernels import IndexBatch
@@ -237,6 +238,13 @@ class _Slots:
         ``(1 + m, k, dim)``, the rows first: what one fused call moves."""
         stacked = [key for key in self.stacked[slot] if key in keys]
         return stacked, self.stack[slot][: 1 + len(stacked), :k]
+
+    def fits(self, slot: int, k: int, keys: Sequence[str]) -> bool:
+        """Whether slot ``slot`` holds ``k`` rows and every key already (no :meth:`ensure`)."""
+        if self.stack[slot] is None or k > self.cap[slot]:
+            return False
+        stacked, extra = self.stacked[slot], self.extra[slot]
+        return all(key in stacked or key in extra for key in keys)
 
     def ensure(self, slot: int, k: int, keys: Sequence[str], streams: Sequence[Any]) -> None:
         """Make slot ``slot`` hold at least ``k`` rows and a buffer for each state key.
@@ -648,6 +656,7 @@ class Pipeline:
                 for idx, batch in enumerate(it):
                     flight = self._prepare(idx, batch, run)
                     flight.slot = run.free_slots.get_nowait()
+                    self._upload(flight, [])
                     with self._lock:
                         self._gather(flight)
                         self._inflight[idx] = flight
@@ -797,21 +806,17 @@ class Pipeline:
                 p = _plan(x, emb.num_rows)
                 flight.tables[name] = _TableFlight(plan=p, parts=[x], single=True)
         flight.plan_s = time.perf_counter() - t0
-        run.where = f"uploading the ids of batch {idx}"
-        self._upload(flight)
-        for tf in flight.tables.values():
-            tf.aliases = [getattr(flight, "_alias", {}).get(id(x)) if torch.is_tensor(x) else None
-                          for x in tf.parts]
         return flight
 
-    def _upload(self, flight: _Flight) -> None:
-        """Move a batch's index arrays (each table's inverse and unique rows) and, when
-        ``run(to_device=True)``, the batch's CPU tensors to the device in *one* copy.
+    def _upload(self, flight: _Flight, pending: Sequence[Tuple[int, Any, np.ndarray, np.ndarray]]) -> None:
+        """Move a batch's index arrays (each table's inverse and unique rows, the
+        overlaps ``pending`` with batches in flight) and, when ``run(to_device=True)``,
+        the batch's CPU tensors to the device in *one* copy.
 
         Stream: the copy stream, through the pinned upload ring (:mod:`stpipe._staging`:
-        no pageable copy, no stream sync); ``flight.batch_event`` is recorded after it
-        when the batch moved. Everything lands in one device buffer allocated on the copy
-        stream; consumers make their stream wait and ``record_stream`` it
+        no pageable copy, no stream sync); ``flight.batch_event`` is the event recorded
+        behind it when the batch moved. Everything lands in one device buffer allocated
+        on the copy stream; consumers make their stream wait and ``record_stream`` it
         (:meth:`_claim_batch`, :meth:`_enter`). A tensor seen twice is copied once
         (aliasing kept); the planned id tensors' copies are remembered so
         ``emb(step.batch[...])`` takes the fast path. Tensors of a dtype numpy cannot
@@ -821,6 +826,9 @@ class Pipeline:
         for tf in flight.tables.values():
             arrays.append(np.ascontiguousarray(tf.plan.inverse.reshape(-1), dtype=np.int64))
             arrays.append(tf.plan.unique)
+        n_tab = len(arrays)
+        for _, _, pp, np_ in pending:
+            arrays += [np.ascontiguousarray(pp, dtype=np.int64), np.ascontiguousarray(np_, dtype=np.int64)]
         n_idx = len(arrays)
         moved: List[torch.Tensor] = []
         if self._cuda and self._to_device:
@@ -836,7 +844,9 @@ class Pipeline:
 
             _map_tensors(collect, flight.source)
             arrays.extend(moved)
-        outs = _upload(arrays, self.device, self._copy_stream)
+        outs, event = _upload(arrays, self.device, self._copy_stream, event=True)
+        for i, (j, name, _, _) in enumerate(pending):
+            flight.overlaps.setdefault(j, {})[name] = (outs[n_tab + 2 * i], outs[n_tab + 2 * i + 1])
         for i, tf in enumerate(flight.tables.values()):
             inv = outs[2 * i]
             if self._cuda:
@@ -853,11 +863,14 @@ class Pipeline:
         if not (self._cuda and self._to_device):
             if self._cuda:
                 flight.dev_bufs.append(outs[0])  # recorded on the compute stream at entry
+            for tf in flight.tables.values():
+                tf.aliases = [None] * len(tf.parts)
             return
         done: Dict[int, torch.Tensor] = {id(t): o for t, o in zip(moved, outs[n_idx:])}
         copies: List[torch.Tensor] = [outs[0]]  # claimed (recorded) with the batch at entry
         alias: Dict[int, torch.Tensor] = {}
         device = self.device
+        n_copies = 1
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
             if t.device == device:
@@ -872,20 +885,26 @@ class Pipeline:
             alias[id(t)] = out
             return out
 
-        with torch.cuda.stream(self._copy_stream):  # the device is current in this thread
+        if len(moved) == len(seen):  # everything came with the one upload
             flight.batch = _map_tensors(to_device, flight.source)
-            ev = torch.cuda.Event()
-            ev.record(self._copy_stream)
-            flight.batch_event = ev
+        else:
+            with torch.cuda.stream(self._copy_stream):  # the device is current in this thread
+                flight.batch = _map_tensors(to_device, flight.source)
+        if len(copies) > n_copies:
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        flight.batch_event = event
         flight.copies = copies
-        flight._alias = alias  # type: ignore[attr-defined]
+        for tf in flight.tables.values():
+            tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
 
-    def _claim_batch(self, flight: _Flight, cur: Any = None) -> None:
+    def _claim_batch(self, flight: _Flight, cur: Any = None, wait: bool = True) -> None:
         """Order the caller's current stream (``cur`` when the caller has it) after the
         batch's copies (no host sync).
 
-        The current stream waits on ``flight.batch_event`` and every copy is
-        ``record_stream``-ed on it, once per stream.
+        The current stream waits on ``flight.batch_event`` (unless ``wait`` is False: the
+        caller made it wait on ``flight.ready``, recorded later on the copy stream) and
+        every copy is ``record_stream``-ed on it, once per stream.
         """
         if flight.batch_event is None:
             return
@@ -893,13 +912,20 @@ class Pipeline:
             cur = torch.cuda.current_stream(self.device)
         if any(s == cur for s in flight.claimed):
             return
-        cur.wait_event(flight.batch_event)
+        if wait:
+            cur.wait_event(flight.batch_event)
         for t in flight.copies:
             t.record_stream(cur)
         flight.claimed.append(cur)
 
     def _issue(self, flight: _Flight, run: _Run) -> None:
-        """Overlaps with the batches in flight (off the lock), then the gather (under it)."""
+        """Overlaps with the batches in flight (off the lock), the batch's one upload,
+        then the gather (under the lock).
+
+        The in-flight set is read once the batch holds a slot: batches leaving after that
+        are fixed up into it (their overlap is known); batches that left before wrote the
+        host before this gather reads it. Only this thread adds batches to the set.
+        """
         idx = flight.index
         run.where = f"computing the overlap of batch {idx} with the batches in flight"
         with self._lock:
@@ -911,15 +937,8 @@ class Pipeline:
                 pp, np_ = overlap(prev.tables[name].plan, tf.plan)
                 if len(pp):
                     pending.append((prev.index, name, pp, np_))
-        if pending:
-            arrays = []
-            for _, _, pp, np_ in pending:
-                arrays += [np.ascontiguousarray(pp, dtype=np.int64), np.ascontiguousarray(np_, dtype=np.int64)]
-            outs = _upload(arrays, self.device, self._copy_stream)
-            if self._cuda:
-                flight.dev_bufs.append(outs[0])
-            for i, (j, name, _, _) in enumerate(pending):
-                flight.overlaps[j][name] = (outs[2 * i], outs[2 * i + 1])
+        run.where = f"uploading the ids of batch {idx}"
+        self._upload(flight, pending)
         run.where = f"gathering batch {idx}"
         with self._lock:
             if run.stop.is_set():
@@ -933,30 +952,32 @@ class Pipeline:
         Stream: the copy stream; records ``flight.ready`` there. On CPU: synchronous.
         """
         cs = self._copy_stream
-        ctx = torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext()
-        with ctx:
-            for name, tf in flight.tables.items():
-                if run is not None:
-                    run.where = f"gathering batch {flight.index}" + ("" if self._single else f" for table {name!r}")
-                emb = self.tables[name]
-                rs = emb.row_state
-                keys = rs.keys if rs is not None else ()
-                k = tf.k
-                slots = self._slots[name]
-                slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
-                if k:
-                    self._gather_keys(emb, slots, flight.slot, tf, keys, with_rows=True)
-                tf.keys = tuple(keys)
-                self.stats["rows_gathered"] += k
-            if self._cuda:
-                flight.ready = torch.cuda.Event()
-                flight.ready.record(cs)
+        pending: List[Any] = []  # fused moves whose one event is recorded below
+        for name, tf in flight.tables.items():
+            if run is not None:
+                run.where = f"gathering batch {flight.index}" + ("" if self._single else f" for table {name!r}")
+            emb = self.tables[name]
+            rs = emb.row_state
+            keys = rs.keys if rs is not None else ()
+            k = tf.k
+            slots = self._slots[name]
+            if not slots.fits(flight.slot, k, keys):
+                with torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext():
+                    slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
+            if k:
+                self._gather_keys(emb, slots, flight.slot, tf, keys, with_rows=True, pending=pending)
+            tf.keys = tuple(keys)
+            self.stats["rows_gathered"] += k
+        if self._cuda:
+            # one event: the tables' read event and the batch's `ready`
+            flight.ready = _finish(pending, cs)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
-                     keys: Sequence[str], with_rows: bool) -> None:
+                     keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
         """Gather rows (``with_rows``) and state ``keys`` of ``tf``'s unique ids into the
         slot: the stacked ones by one fused call (:func:`stpipe.host.gather_many`), the
-        others one by one. Stream: the copy stream (the caller's current one)."""
+        others one by one. Stream: the copy stream. ``pending``: see
+        :func:`stpipe.host._move_many`."""
         k = tf.k
         rs = emb.row_state
         stacked, planes = slots.group(slot, k, keys)
@@ -964,7 +985,7 @@ class Pipeline:
             tables = [emb.table] + [rs.tables[key] for key in stacked]
             if not with_rows:
                 planes, tables = planes[1:], tables[1:]
-            _gather_many(tables, tf.rows, planes, stream=self._copy_stream)
+            _gather_many(tables, tf.rows, planes, stream=self._copy_stream, pending=pending)
         for key in keys:
             if key not in stacked:
                 out = slots.state(slot, key, k)
@@ -1021,7 +1042,7 @@ class Pipeline:
             if self._profile:
                 f.ready.synchronize()
             compute.wait_event(f.ready)
-            self._claim_batch(f, compute)
+            self._claim_batch(f, compute, wait=False)  # ready is behind the batch's copy
             for buf in f.dev_bufs:  # uploaded ids not claimed with the batch (used on compute)
                 buf.record_stream(compute)
         for name, tf in f.tables.items():
@@ -1136,36 +1157,40 @@ class Pipeline:
                 sv[key] = buf
             views[name] = (rows, sv)
         with self._lock:
-            ctx = torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext()
-            with ctx:
-                if self._cuda:
-                    done = torch.cuda.Event()
-                    done.record(compute)
-                    cs.wait_event(done)
-                later = sorted(j for j in self._inflight if j > f.index)
-                for j in later:
-                    g = self._inflight[j]
-                    ov = g.overlaps.get(f.index, {})
-                    touched = False
-                    for name, (pp, np_) in ov.items():
-                        self._carry(name, f, g, pp, np_)
-                        self.stats["rows_carried"] += int(pp.shape[0])
-                        touched = True
-                    if touched and self._cuda:
-                        g.ready = torch.cuda.Event()
-                        g.ready.record(cs)
-                for name, tf in f.tables.items():
-                    if not tf.k:
-                        continue
-                    emb = self.tables[name]
-                    rows, sv = views[name]
-                    slots = self._slots[name]
-                    stacked, planes = slots.group(f.slot, tf.k, sv)
-                    _scatter_many([emb.table] + [emb.row_state.tables[key] for key in stacked],
-                                  tf.rows, planes, stream=cs)
-                    for key, buf in sv.items():
-                        if key not in stacked:
-                            emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
+            if self._cuda:
+                done = torch.cuda.Event()
+                done.record(compute)
+                cs.wait_event(done)
+            carries = []
+            for j in sorted(j for j in self._inflight if j > f.index):
+                g = self._inflight[j]
+                ov = g.overlaps.get(f.index)
+                if ov:
+                    carries.append((g, ov))
+            if carries:
+                with torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext():
+                    for g, ov in carries:
+                        for name, (pp, np_) in ov.items():
+                            self._carry(name, f, g, pp, np_)
+                            self.stats["rows_carried"] += int(pp.shape[0])
+                        if self._cuda:
+                            g.ready = torch.cuda.Event()
+                            g.ready.record(cs)
+            pending: List[Any] = []  # fused scatters: one write event for all tables
+            for name, tf in f.tables.items():
+                if not tf.k:
+                    continue
+                emb = self.tables[name]
+                rows, sv = views[name]
+                slots = self._slots[name]
+                stacked, planes = slots.group(f.slot, tf.k, sv)
+                _scatter_many([emb.table] + [emb.row_state.tables[key] for key in stacked],
+                              tf.rows, planes, stream=cs, pending=pending)
+                for key, buf in sv.items():
+                    if key not in stacked:
+                        emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
+            if pending:
+                _finish(pending, cs)
             self._inflight.pop(f.index, None)
 
     def _carry(self, name: Any, f: _Flight, g: _Flight, pp: torch.Tensor, np_: torch.Tensor) -> None:
