@@ -23,7 +23,8 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   profile synchronises at each phase, so it is a breakdown, not a speed);
 * on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
   interval, an experiment) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
-  tables written to ``--trace DIR``, default ``OUT/trace``).
+  tables written to ``--trace DIR``, default ``OUT/trace``) and ``trace0`` (depth 0 under
+  cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``).
 
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``).
@@ -313,7 +314,7 @@ class _Stpipe:
                                     **({"fused": True} if fused else {}))
         self.setup_s = time.perf_counter() - t0
 
-    def run(self, args, dev, batches, depth, profile=False, trace=None):
+    def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there."""
         e_in, e_out, opt = self.e_in, self.e_out, self.opt
@@ -330,7 +331,7 @@ class _Stpipe:
                     t0 = time.perf_counter()
                     c0, p0 = time.thread_time(), pipe.prefetch_cpu_s
                     if trace:
-                        tracer = _Tracer(dev)
+                        tracer = _Tracer(dev, ops=trace_ops)
                 with step:
                     pos, neg = step.ids["out"]
                     loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
@@ -370,14 +371,16 @@ class _Stpipe:
 class _Tracer:
     """torch.profiler (CPU + CUDA activity) and cProfile of the training thread."""
 
-    def __init__(self, dev):
+    def __init__(self, dev, ops=True):
         import cProfile
 
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if dev.type == "cuda":
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=acts)
-        self.prof.__enter__()
+        self.prof = None
+        if ops:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if dev.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
         self.cp = cProfile.Profile()
         self.cp.enable()
 
@@ -386,23 +389,24 @@ class _Tracer:
         import pstats
 
         self.cp.disable()
-        self.prof.__exit__(None, None, None)
         os.makedirs(out_dir, exist_ok=True)
-        ka = self.prof.key_averages()
-        with open(os.path.join(out_dir, "trace_ops.txt"), "w") as f:
-            for key in ("self_cpu_time_total", "cpu_time_total", "device_time_total"):
-                try:
-                    f.write(f"== sorted by {key}\n" + ka.table(sort_by=key, row_limit=60) + "\n")
-                except Exception as exc:  # a key this torch does not know
-                    f.write(f"== {key}: {exc}\n")
-        try:
-            self.prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
-        except Exception:
-            pass
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            ka = self.prof.key_averages()
+            with open(os.path.join(out_dir, "trace_ops.txt"), "w") as f:
+                for key in ("self_cpu_time_total", "cpu_time_total", "device_time_total"):
+                    try:
+                        f.write(f"== sorted by {key}\n" + ka.table(sort_by=key, row_limit=60) + "\n")
+                    except Exception as exc:  # a key this torch does not know
+                        f.write(f"== {key}: {exc}\n")
+            try:
+                self.prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+            except Exception:
+                pass
         s = io.StringIO()
         st = pstats.Stats(self.cp, stream=s)
-        st.sort_stats("tottime").print_stats(50)
-        st.sort_stats("cumtime").print_stats(60)
+        st.sort_stats("tottime").print_stats(90)
+        st.sort_stats("cumtime").print_stats(90)
         with open(os.path.join(out_dir, "trace_cprofile.txt"), "w") as f:
             f.write(s.getvalue())
 
@@ -473,6 +477,12 @@ def main(argv=None) -> int:
                 results[m] = stf.run(args, dev, batches, 1)
                 del stf
                 gc.collect()
+            elif m == "trace0":
+                # depth 0 under cProfile alone: every stpipe call in the training thread
+                if st is None:
+                    st = _Stpipe(args, dev)
+                results[m] = st.run(args, dev, batches, 0, trace_ops=False,
+                                    trace=os.path.join(args.trace or os.path.join(args.out or ".", "trace"), "depth0"))
             elif m in ("stpipe_depth0", "stpipe_depth1", "profile", "trace"):
                 if st is None:
                     st = _Stpipe(args, dev)

@@ -118,6 +118,26 @@ def test_datagadget_on_cuda(tmp_path, cpupinn):
     np.testing.assert_array_equal(g.getNumpyVersion(), data)
 
 
+@pytest.mark.parametrize("dim", [32, 4], ids=["stamps", "narrow-rows-sort"])
+def test_datagadget_gpu_insert_repeats_last_wins(tmp_path, dim):
+    """GPU-resident insertData with repeated ids, several calls: each id keeps its last
+    occurrence (the numpy result), whichever path decides it."""
+    rng = np.random.default_rng(3)
+    data = rng.standard_normal((500, dim)).astype(np.float32)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=False)
+    g.gadgetInit()
+    for call in range(4):
+        ids = rng.integers(0, 60, 400)  # many repeats
+        rows = torch.randn(400, dim, device="cuda")
+        g.insertData(rows, ids)
+        data[ids] = rows.cpu().numpy()  # numpy: the last occurrence wins
+        np.testing.assert_array_equal(g.getNumpyVersion(), data)
+    with pytest.raises(IndexError):
+        g.insertData(torch.zeros(2, dim, device="cuda"), np.array([1, 500]))
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+
+
 # ---------------------------------------------------------------------------------------
 # side by side with SpeedTorch 0.1.6 (duplicate-free batches)
 # ---------------------------------------------------------------------------------------

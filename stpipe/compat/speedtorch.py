@@ -250,6 +250,8 @@ class _TensorStore:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+        self._stamps: Optional[torch.Tensor] = None  # see scatter_last
+        self._calls = 0
 
     @classmethod
     def empty(cls, n: int, dim: int, dtype: torch.dtype, device: torch.device,
@@ -298,6 +300,35 @@ class _TensorStore:
         rows = rows.detach().to(device=self.t.device, dtype=self.t.dtype)
         idx = ids_dev if ids_dev is not None else _ids_tensor(ids, self.t.device)
         self.t.index_copy_(0, idx, rows)
+
+    def stamps_fit(self) -> bool:
+        """Whether :meth:`scatter_last`'s scratch (8 bytes per row) is at most a quarter
+        of the table's bytes (rows of 32 bytes or more)."""
+        return self.t.shape[1] * self.t.element_size() >= 32
+
+    def scatter_last(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """``table[idx[j]] = rows[j]`` where a repeated id takes its *last* occurrence;
+        ``idx`` is a checked ``(n,)`` int64 tensor on the table's device.
+
+        No host sync and no sort: each named row's stamp (a per-table int64 scratch,
+        made once) takes the largest ``call << 32 | j`` that names it
+        (``scatter_reduce_`` amax; the call number makes older stamps smaller, so the
+        scratch is never reset), then every occurrence writes its id's winning row; the
+        copies to one row are identical, so their order does not matter. Stream: the
+        current one.
+        """
+        rows = rows.detach().to(device=self.t.device, dtype=self.t.dtype)
+        n = int(idx.shape[0])
+        if n == 0:
+            return
+        if self._stamps is None:
+            self._stamps = torch.full((self.num_rows,), -1, dtype=torch.int64, device=self.t.device)
+        self._calls += 1
+        base = self._calls << 32
+        pos = torch.arange(base, base + n, dtype=torch.int64, device=self.t.device)
+        self._stamps.scatter_reduce_(0, idx, pos, reduce="amax")
+        win = self._stamps.index_select(0, idx).sub_(base)
+        self.t.index_copy_(0, idx, rows.index_select(0, win))
 
     # whole table
     def cpu_tensor(self) -> torch.Tensor:
@@ -1408,9 +1439,10 @@ class DataGadget:
         last occurrence is written, once (SpeedTorch kept one at random).
 
         Streams: reads ``dataObject`` on the current stream of its device. Repeats are
-        found on the host for a pinned table (nothing waits on the device); for a
-        GPU-resident table the ids are sorted on the GPU and one flag is read back (a
-        wait on the current stream, not the device).
+        found on the host for a pinned table (nothing waits on the device); a
+        GPU-resident table resolves them on the GPU with no host sync (rows of 32 bytes
+        or more; narrower rows sort the ids there and read one flag back, a wait on the
+        current stream, not the device).
 
         Raises:
             IndexError: an id out of range. ValueError: a shape that does not fit.
@@ -1433,6 +1465,9 @@ class DataGadget:
         ids_dev = None
         if isinstance(store, _TensorStore) and store.device.type == "cuda":
             ids_dev = _ids_tensor(flat, store.device)
+            if store.stamps_fit():  # last occurrence wins, decided on the GPU, no sync
+                store.scatter_last(ids_dev, rows)
+                return
         if _distinct(flat, store.num_rows, ids_dev):
             store.scatter(_checked(flat, store), rows, ids_dev)
         else:
