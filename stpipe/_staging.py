@@ -83,7 +83,12 @@ def _ring(device: torch.device) -> _Ring:
 
 def _as_numpy(a: ArrayLike) -> np.ndarray:
     if isinstance(a, torch.Tensor):
-        return a.detach().contiguous().numpy()
+        # one call for the usual CPU tensor (each torch call may hand the GIL over)
+        try:
+            h = a.numpy()
+        except (RuntimeError, TypeError):  # requires grad, a conj/neg bit, ...
+            h = a.detach().resolve_conj().resolve_neg().cpu().numpy()
+        return h if h.flags.c_contiguous else np.ascontiguousarray(h)
     a = np.asarray(a)
     return a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
 
@@ -160,10 +165,19 @@ _TORCH_DTYPE: Dict[np.dtype, torch.dtype] = {}
 
 
 def _views(dev: torch.Tensor, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> List[torch.Tensor]:
+    """One typed view of ``dev`` per dtype, then a slice (and a reshape unless 1-d) per
+    array: few torch calls, since each may hand the GIL to another thread."""
     out = []
+    typed: Dict[np.dtype, torch.Tensor] = {}
     for h, off in zip(hosts, offsets):
-        dt = _TORCH_DTYPE.get(h.dtype)
-        if dt is None:
-            dt = _TORCH_DTYPE.setdefault(h.dtype, torch.from_numpy(np.empty(0, dtype=h.dtype)).dtype)
-        out.append(dev[off:off + h.nbytes].view(dt).view(h.shape))
+        whole = typed.get(h.dtype)
+        if whole is None:
+            dt = _TORCH_DTYPE.get(h.dtype)
+            if dt is None:
+                dt = _TORCH_DTYPE.setdefault(h.dtype, torch.from_numpy(np.empty(0, dtype=h.dtype)).dtype)
+            # offsets are multiples of _ALIGN and the buffer's length too: every view fits
+            whole = typed[h.dtype] = dev.view(dt)
+        isz = h.dtype.itemsize
+        part = whole[off // isz:off // isz + h.size]
+        out.append(part if h.ndim == 1 else part.view(h.shape))
     return out

@@ -19,7 +19,7 @@ cached per device (CuPy additionally caches the binary on disk).
 from __future__ import annotations
 
 import threading
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -196,12 +196,15 @@ class CupyBackend:
             self._streams[key] = got
         return got
 
-    def _check_pinned(self, index: int, table: torch.Tensor) -> None:
-        """:func:`_device_pointer_check` once per table storage and device."""
-        base = (index, table.untyped_storage().data_ptr())
+    def _check_pinned(self, index: int, table: torch.Tensor, ptr: Optional[int] = None) -> None:
+        """:func:`_device_pointer_check` once per table pointer and device (``ptr``: the
+        table's ``data_ptr()`` when the caller has it)."""
+        if ptr is None:
+            ptr = table.data_ptr()
+        base = (index, ptr)
         if base not in self._checked:
             with self._cp.cuda.Device(index):
-                _device_pointer_check(self._cp, table.data_ptr())
+                _device_pointer_check(self._cp, ptr)
             self._checked[base] = True
 
     def _launch(self, op: str, table: torch.Tensor, ids: IndexBatch, dev_buf: torch.Tensor,
@@ -214,7 +217,7 @@ class CupyBackend:
         index = device.index
         rb = row_bytes(table)
         tptr, bptr = table.data_ptr(), dev_buf.data_ptr()
-        self._check_pinned(index, table)
+        self._check_pinned(index, table, tptr)
         word = word_bytes(rb, tptr, bptr)
         words = rb // word
         total = n * words
@@ -238,8 +241,8 @@ class CupyBackend:
         rb = row_bytes(tables[0])
         isz = planes.element_size()
         ptrs = [t.data_ptr() for t in tables]
-        for t in tables:
-            self._check_pinned(index, t)
+        for t, p in zip(tables, ptrs):
+            self._check_pinned(index, t, p)
         plane_bytes = planes.stride(0) * isz
         word = word_bytes(rb, planes.data_ptr(), plane_bytes, *ptrs)
         words = rb // word
