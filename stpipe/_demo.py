@@ -25,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -169,8 +169,6 @@ class SkipGramData:
         n = len(kids)
         W = cfg.window
         off = np.concatenate([np.arange(-W, 0), np.arange(1, W + 1)])
-        # corpus tokens walked per kept token, for an honest tokens/s
-        walked = np.searchsorted(kpos, np.arange(0, n, cfg.batch))
         total = len(self.ids)
         for bi, s in enumerate(range(0, n, cfg.batch)):
             p = np.arange(s, min(s + cfg.batch, n))

@@ -23,6 +23,8 @@ from typing import Deque, Dict, List, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ._streams import on_stream
+
 __all__ = ["upload", "RING_BYTES"]
 
 #: Bytes of each device's pinned ring (uploads larger than half of it get their own
@@ -155,7 +157,7 @@ def _pack(dst: np.ndarray, base: int, hosts: Sequence[np.ndarray], offsets: Sequ
 
 def _copy_up(src: torch.Tensor, device: torch.device, stream: "torch.cuda.Stream") -> torch.Tensor:
     """A device byte buffer allocated on ``stream`` and filled from pinned ``src`` there."""
-    with torch.cuda.stream(stream):
+    with on_stream(stream):
         dev = torch.empty(src.shape[0], dtype=torch.uint8, device=device)
         dev.copy_(src, non_blocking=True)
     return dev

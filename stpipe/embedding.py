@@ -25,14 +25,14 @@ optimizer built from ``emb.parameters()`` updates exactly those rows. Gradients 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
+from ._errors import StpipeTypeError, StpipeValueError
 from .optim import RowState
 from .planner import plan as _plan
 

@@ -101,6 +101,7 @@ import torch
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from ._staging import upload as _upload
+from ._streams import current_stream, on_stream
 from .host import _finish
 from .host import gather_many as _gather_many
 from .host import scatter_many as _scatter_many
@@ -136,6 +137,9 @@ class _TableFlight:
     aliases: List[Any] = field(default_factory=list)  # each part's copy in the moved batch (or None)
     keys: Tuple[str, ...] = ()  # state keys gathered into the slot
     _rows: Optional[IndexBatch] = field(default=None, repr=False)
+    #: the slot's views installed at step entry: rows and ``{key: state}`` (reused by the
+    #: write-back unless the slot was re-made for keys discovered during the step)
+    views: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = field(default=None, repr=False)
 
     @property
     def k(self) -> int:
@@ -1007,7 +1011,7 @@ class Pipeline:
         f = step._flight
         t0 = time.perf_counter()
         cs = self._copy_stream
-        compute = torch.cuda.current_stream(self.device) if self._cuda else None
+        compute = current_stream(self.device) if self._cuda else None
         self._compute_stream = compute
         step._compute_stream = compute
         # an optimizer that creates its state in __init__ (Adagrad) has it before any step
@@ -1049,11 +1053,14 @@ class Pipeline:
             emb = self.tables[name]
             slots = self._slots[name]
             k = tf.k
-            _set_working(emb.weight, slots.rows(f.slot, k))
+            rows = slots.rows(f.slot, k)
+            states = {key: slots.state(f.slot, key, k) for key in tf.keys}
+            tf.views = (rows, states)
+            _set_working(emb.weight, rows)
             rs = emb.row_state
             if rs is not None:
                 step._snaps[name] = rs.snapshot()
-                rs.install({key: slots.state(f.slot, key, k) for key in tf.keys})
+                rs.install(states)
             emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                       for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                            tf.aliases or [None] * len(tf.parts))],
@@ -1137,9 +1144,11 @@ class Pipeline:
             k = tf.k
             rs = emb.row_state
             keys = rs.keys if rs is not None else ()
+            cached = tf.views
             if keys and any(key not in tf.keys for key in keys):
                 slots.ensure(f.slot, k, keys, (cs, compute))  # keys discovered this step
-            rows = slots.rows(f.slot, k)
+                cached = None
+            rows = cached[0] if cached is not None else slots.rows(f.slot, k)
             w = emb.weight.data
             if w.data_ptr() != rows.data_ptr() or w.shape != rows.shape:
                 if w.shape != rows.shape:
@@ -1150,7 +1159,7 @@ class Pipeline:
                 rows.copy_(w)
             sv = {}
             for key in keys:
-                buf = slots.state(f.slot, key, k)
+                buf = cached[1][key] if cached is not None else slots.state(f.slot, key, k)
                 cur = rs.current(key)
                 if cur.data_ptr() != buf.data_ptr() or cur.shape != buf.shape:
                     buf.copy_(cur)
@@ -1168,7 +1177,7 @@ class Pipeline:
                 if ov:
                     carries.append((g, ov))
             if carries:
-                with torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext():
+                with on_stream(cs) if self._cuda else contextlib.nullcontext():
                     for g, ov in carries:
                         for name, (pp, np_) in ov.items():
                             self._carry(name, f, g, pp, np_)

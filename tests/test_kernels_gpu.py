@@ -260,3 +260,75 @@ def test_upload_ring_is_asynchronous_and_exact():
         for a, b in zip(g, w):
             assert a.device.type == "cuda" and a.shape == b.shape
             assert np.array_equal(a.cpu().numpy(), b)
+
+
+@pytest.mark.parametrize("path", ["driver", "cupy-launch"])
+def test_cupy_backend_launch_paths(path, monkeypatch):
+    """The CuPy backend launches through cuLaunchKernel (ctypes) when it can and through
+    CuPy's own launch otherwise; both move exactly the rows, single and fused."""
+    from stpipe.host import gather_many, scatter_many
+
+    need("cupy")
+    be = get_backend("cupy")
+    if path == "cupy-launch":
+        monkeypatch.setattr(be, "_driver", None)
+    elif be._driver is None:
+        pytest.skip("libcuda.so.1 not loadable by that name")
+    calls = {"fast": 0}
+    real_fast = type(be)._fast
+
+    def counting(self, *a, **kw):
+        ok = real_fast(self, *a, **kw)
+        calls["fast"] += bool(ok)
+        return ok
+
+    monkeypatch.setattr(type(be), "_fast", counting)
+    tabs = [HostTable(NUM_ROWS, 128, torch.float32, backend="cupy") for _ in range(5)]
+    try:
+        refs = [random_bits(t, seed=g) for g, t in enumerate(tabs)]
+        ids = np.random.default_rng(5).choice(NUM_ROWS, 300, replace=False)
+        got = tabs[0].gather(ids)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(got), bits(refs[0][ids]))
+        planes = torch.empty(5, 300, 128, device="cuda")
+        gather_many(tabs, ids, planes)
+        torch.cuda.synchronize()
+        for g in range(5):
+            assert torch.equal(bits(planes[g]), bits(refs[g][ids]))
+        new = torch.randn(5, 300, 128, device="cuda")
+        scatter_many(tabs, ids, new)
+        for g, t in enumerate(tabs):
+            want = refs[g].clone()
+            want[ids] = new[g].cpu()
+            assert torch.equal(bits(t.tensor()), bits(want))
+    finally:
+        for t in tabs:
+            t.close()
+    if path == "driver":
+        assert calls["fast"] >= 5  # 1 single + 2 fused groups per direction (5 tables)
+    else:
+        assert calls["fast"] == 0
+
+
+def test_on_stream_switches_and_restores():
+    from stpipe._streams import current_stream, on_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    before = torch.cuda.current_stream(dev)
+    assert current_stream(dev) == before
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with on_stream(s1):
+        assert torch.cuda.current_stream(dev) == s1
+        assert current_stream(dev) == s1
+        x = torch.ones(1000, device=dev)  # allocated and filled on s1
+        with on_stream(s2):
+            assert torch.cuda.current_stream(dev) == s2
+        assert torch.cuda.current_stream(dev) == s1
+    assert torch.cuda.current_stream(dev) == before
+    assert current_stream(dev) == before
+    s1.synchronize()
+    assert float(x.sum()) == 1000.0
+    with pytest.raises(KeyError):
+        with on_stream(s1):
+            raise KeyError("inside")
+    assert torch.cuda.current_stream(dev) == before

@@ -19,6 +19,7 @@ cached per device (CuPy additionally caches the binary on disk).
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -119,6 +120,41 @@ def launch_shape(total: int, sm_count: int) -> Tuple[int, int]:
     return max(1, blocks), THREADS
 
 
+class _DriverLaunch:
+    """``cuLaunchKernel`` through ctypes, for kernels whose parameters are all 8 bytes.
+
+    Why: CuPy's generic launch from Python (argument boxing, a device context switch,
+    stream lookup) cost about 40 us per call in the pipeline's cProfile on the H200 host,
+    four calls per training step. This path costs a few microseconds. The library is
+    opened with ``ctypes.PyDLL``, so the call keeps the GIL (a launch is too short to be
+    worth handing the GIL to another thread, which costs more than the launch).
+    """
+
+    def __init__(self) -> None:
+        import ctypes
+
+        lib = ctypes.PyDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self._fn = fn
+        self._ct = ctypes
+
+    def __call__(self, func: int, grid: Tuple[int, int], block: int, stream: int,
+                 values: Sequence[int]) -> int:
+        """Launch ``func`` on ``stream`` (a raw handle); returns the CUresult (0: ok)."""
+        ct = self._ct
+        n = len(values)
+        vals = (ct.c_uint64 * n)(*values)
+        base = ct.addressof(vals)
+        params = (ct.c_void_p * n)(*range(base, base + 8 * n, 8))
+        return self._fn(func, grid[0], grid[1], 1, block, 1, 1, 0, stream, params, None)
+
+
+#: CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context yet
+_NO_CONTEXT = 201
+
+
 def _device_pointer_check(cp, ptr: int) -> None:
     """Check that the host pointer is page-locked and directly usable on the device."""
     try:
@@ -169,6 +205,13 @@ class CupyBackend:
         self._sms: Dict[int, int] = {}
         self._checked: Dict[Tuple[int, int], bool] = {}
         self._streams: Dict[Tuple[int, int], object] = {}
+        self._fptrs: Dict[Tuple[int, str, int], Optional[int]] = {}
+        self._fobjs: Dict[Tuple[int, str, int], object] = {}
+        self._driver: Optional[_DriverLaunch] = None
+        try:
+            self._driver = _DriverLaunch()
+        except (OSError, AttributeError):  # no libcuda.so.1 by that name: CuPy launches
+            self._driver = None
 
     def _kernel(self, device: int, op: str, word: int):
         key = (device, op, word)
@@ -224,10 +267,45 @@ class CupyBackend:
         kernel = self._kernel(index, op, word)
         blocks, threads = launch_shape(total, self._sms[index])
         id_t = ids.on_device(device, stream)
+        values = (tptr, id_t.data_ptr(), bptr, total, words)
+        if self._fast(index, op, word, (blocks, 1), threads, stream, values):
+            return
         args = (np.uint64(tptr), np.uint64(id_t.data_ptr()), np.uint64(bptr),
                 np.int64(total), np.int64(words))
         with cp.cuda.Device(index):
             kernel((blocks,), (threads,), args, stream=self._stream(index, stream))
+
+    def _fast(self, index: int, name: str, word: int, grid: Tuple[int, int], block: int,
+              stream: "torch.cuda.Stream", values: Sequence[int]) -> bool:
+        """Launch kernel ``name`` through :class:`_DriverLaunch` when it can; False asks
+        the caller to launch through CuPy (no driver library, no function handle, another
+        device current in this thread, or no context current in it yet)."""
+        drv = self._driver
+        if drv is None:
+            return False
+        key = (index, name, word)
+        fptr = self._fptrs.get(key, 0)
+        if fptr == 0:  # not looked up yet
+            try:
+                with self._cp.cuda.Device(index):
+                    fn = self._kernel(index, name, word).kernel
+                    fptr = int(fn.ptr)
+                self._fobjs[key] = fn  # the handle lives with its module; keep both
+            except Exception:  # a CuPy without RawKernel.kernel.ptr
+                fptr = None
+            self._fptrs[key] = fptr
+        if fptr is None or torch.cuda.current_device() != index:
+            return False
+        err = drv(fptr, grid, block, int(stream.cuda_stream), values)
+        if err == 0:
+            return True
+        if err != _NO_CONTEXT:
+            # a launch the driver refused (not a fault of a running kernel): CuPy's own
+            # launch from now on, which raises with CUDA's message if it fails too
+            self._driver = None
+            warnings.warn(f"stpipe: cuLaunchKernel({name}) returned CUDA error {err}; "
+                          "launching through CuPy from now on", RuntimeWarning, stacklevel=4)
+        return False
 
     def _launch_many(self, op: str, tables: Sequence[torch.Tensor], ids: IndexBatch,
                      planes: torch.Tensor, stream: "torch.cuda.Stream") -> None:
@@ -250,9 +328,21 @@ class CupyBackend:
         kernel = self._kernel(index, op + "_many", word)
         blocks, threads = launch_shape(total, self._sms[index])
         id_t = ids.on_device(device, stream)
+        idp, pp = id_t.data_ptr(), planes.data_ptr()
+        name = op + "_many"
+        for g in range(0, len(tables), MANY):
+            part = ptrs[g:g + MANY]
+            part = part + [part[0]] * (MANY - len(part))
+            values = (*part, idp, pp + g * plane_bytes, plane_bytes // word, total, words)
+            if not self._fast(index, name, word, (blocks, min(MANY, len(tables) - g)), threads,
+                              stream, values):
+                break
+        else:
+            return
+        # CuPy's launch for the groups from g on
         cs = self._stream(index, stream)
         with cp.cuda.Device(index):
-            for g in range(0, len(tables), MANY):
+            for g in range(g, len(tables), MANY):
                 part = ptrs[g:g + MANY]
                 part = part + [part[0]] * (MANY - len(part))
                 args = tuple(np.uint64(p) for p in part) + (
