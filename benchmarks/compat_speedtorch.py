@@ -6,7 +6,9 @@ Rows (each implementation on the same table, ids and machine):
   (default 10M x 128, 5.12 GB) for batches of ``--batch`` random ids (131,072: 64 MiB),
   with ``CPUPinn=True`` (pinned host table) and ``CPUPinn=False`` (GPU-resident table).
   GB/s counts the bytes of the requested rows (``batch * dim * 4``); insertData uses
-  distinct ids (SpeedTorch keeps a random one of duplicates).
+  distinct ids (SpeedTorch keeps a random one of duplicates). SpeedTorch is given its ids
+  as CuPy arrays (its tables are CuPy arrays); stpipe is measured twice, with numpy ids
+  and with those same CuPy arrays ("stpipe (CuPy ids)": the same user code).
 * The speedtorch-api.md skip-gram training pattern, steps/s: ``ModelFactory(...,
   CPUPinn=True)`` for both embeddings (``--rows`` rows each), batch 512 x (4 positive +
   64 negative) context ids drawn Zipf(1.2) (many duplicates), dim 128, SGD (lr 0.05).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -108,13 +111,21 @@ def bench_gadget(impls: dict, path: str, rows: int, dim: int, batch: int, repeat
     ids_put = rng.choice(rows, batch, replace=False)
     gb = batch * dim * 4 / 1e9
     out = []
+    runs = []  # (row name, module, ids on the GPU as CuPy arrays?)
     for name, mod in impls.items():
+        if name == "SpeedTorch":
+            runs.append((name, mod, True))
+        else:  # numpy ids, and the very ids SpeedTorch is given (CuPy), when CuPy is here
+            runs.append((name, mod, False))
+            if importlib.util.find_spec("cupy") is not None and "SpeedTorch" in impls:
+                runs.append((name + " (CuPy ids)", mod, True))
+    for name, mod, cupy_ids in runs:
         for pin in (True, False):
             g = mod.DataGadget(path, CPUPinn=pin)
             t0 = time.perf_counter()
             g.gadgetInit()
             load_s = time.perf_counter() - t0
-            if name == "SpeedTorch":
+            if cupy_ids:
                 import cupy
 
                 get_ids, put_ids = cupy.asarray(ids_get), cupy.asarray(ids_put)

@@ -138,6 +138,42 @@ def test_datagadget_gpu_insert_repeats_last_wins(tmp_path, dim):
     np.testing.assert_array_equal(g.getNumpyVersion(), data)
 
 
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_datagadget_takes_gpu_ids(tmp_path, cpupinn, kind):
+    """SpeedTorch code indexes its DataGadget with CuPy arrays: ids on the GPU (CuPy or a
+    CUDA tensor) work on both placements, repeats keep their last occurrence, and bad
+    ids raise before anything moves."""
+    if kind == "cupy":
+        cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((700, 32)).astype(np.float32)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    g.gadgetInit()
+
+    def on_gpu(a):
+        return cupy.asarray(a) if kind == "cupy" else torch.as_tensor(a, device="cuda")
+
+    idx = rng.integers(0, 700, (20, 6))
+    got = g.getData(on_gpu(idx))
+    assert got.is_cuda and tuple(got.shape) == (20, 6, 32)
+    np.testing.assert_array_equal(got.cpu().numpy(), data[idx])
+    for _ in range(3):
+        ids = rng.integers(0, 50, 300)  # repeats: the last occurrence wins
+        rows = torch.randn(300, 32, device="cuda")
+        g.insertData(rows, on_gpu(ids))
+        data[ids] = rows.cpu().numpy()
+        np.testing.assert_array_equal(g.getNumpyVersion(), data)
+    with pytest.raises(IndexError, match="row id 700 at position 2"):
+        g.insertData(torch.zeros(3, 32, device="cuda"), on_gpu(np.array([0, 5, 700])))
+    with pytest.raises(IndexError, match="row id -1 at position 1"):
+        g.getData(on_gpu(np.array([3, -1])))
+    with pytest.raises(TypeError):
+        g.getData(torch.tensor([1.0, 2.0], device="cuda"))
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+
+
 # ---------------------------------------------------------------------------------------
 # side by side with SpeedTorch 0.1.6 (duplicate-free batches)
 # ---------------------------------------------------------------------------------------

@@ -1363,6 +1363,37 @@ def _checked(flat: np.ndarray, store: Any) -> Any:
     return IndexBatch.of(np.ascontiguousarray(flat, dtype=np.int64), checked_rows=store.num_rows)
 
 
+def _device_ids(indexes: Any, num_rows: int) -> Optional[torch.Tensor]:
+    """Ids that live on a CUDA device (a CUDA tensor, a CuPy array or any object with
+    ``__cuda_array_interface__``) as a checked int64 torch tensor there, or ``None`` for
+    host ids.
+
+    The range check runs on the device: one min/max reduction and one read-back of two
+    numbers (a wait on the current stream). Only when it fails are the ids copied to the
+    host, to name the first bad id and its position as everywhere in stpipe.
+
+    Raises:
+        IndexError: an id out of range. TypeError: non-integer ids.
+    """
+    if isinstance(indexes, torch.Tensor):
+        if indexes.device.type != "cuda":
+            return None
+        t = indexes.detach()
+    elif hasattr(indexes, "__cuda_array_interface__"):
+        t = torch.as_tensor(indexes)  # zero-copy view of the CuPy (or other) array
+    else:
+        return None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise StpipeTypeError(f"row ids must be an integer tensor (int32 or int64), got dtype {t.dtype}")
+    t = t.to(torch.int64)
+    flat = t.reshape(-1)
+    if flat.numel():
+        lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+        if lo < 0 or hi >= num_rows:
+            check_ids(flat.cpu().numpy(), num_rows)  # raises, naming the first bad id
+    return t
+
+
 def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
     """CuPy-style indexes (array, list, tensor, int, slice) → checked ids of their shape."""
     if isinstance(indexes, slice):
@@ -1428,7 +1459,13 @@ class DataGadget:
             IndexError: an id out of range. TypeError: non-integer ids.
         """
         store = self._require()
-        ids = _gadget_ids(indexes, store.num_rows)
+        dev_ids = _device_ids(indexes, store.num_rows)
+        if dev_ids is not None and isinstance(store, _TensorStore) and store.device == dev_ids.device:
+            # GPU ids, GPU table: checked on the device, one gather, no host round trip
+            rows = store.t.index_select(0, dev_ids.reshape(-1))
+            return rows.view(tuple(dev_ids.shape) + self._shape[1:])
+        ids = (_gadget_ids(indexes, store.num_rows) if dev_ids is None
+               else dev_ids.cpu().numpy())  # GPU ids for a host table: checked above
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         rows = store.gather(_checked(flat, store), self._device())
         return rows.view(tuple(ids.shape) + self._shape[1:])
@@ -1448,19 +1485,26 @@ class DataGadget:
             IndexError: an id out of range. ValueError: a shape that does not fit.
         """
         store = self._require()
-        ids = _gadget_ids(indexes, store.num_rows)
+        dev_ids = _device_ids(indexes, store.num_rows)
+        ids = (_gadget_ids(indexes, store.num_rows) if dev_ids is None
+               else dev_ids.cpu().numpy() if not isinstance(store, _TensorStore)
+               or store.device != dev_ids.device or not store.stamps_fit() else None)
+        shape = tuple(dev_ids.shape) if ids is None else ids.shape
         if not isinstance(dataObject, torch.Tensor):
             dataObject = (torch.from_dlpack(dataObject) if hasattr(dataObject, "__dlpack__")
                           else torch.as_tensor(np.asarray(dataObject)))
-        n = int(ids.size)
+        n = int(np.prod(shape, dtype=np.int64))
         if dataObject.numel() != n * store.dim:
             raise StpipeValueError(
-                f"expected data of shape {tuple(ids.shape) + self._shape[1:]} for {n} ids, "
+                f"expected data of shape {tuple(shape) + self._shape[1:]} for {n} ids, "
                 f"got {tuple(dataObject.shape)}"
             )
         rows = dataObject.reshape(n, store.dim)
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
+        if ids is None:  # GPU ids, GPU table: checked and deduplicated on the device
+            store.scatter_last(dev_ids.reshape(-1), rows)
+            return
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         ids_dev = None
         if isinstance(store, _TensorStore) and store.device.type == "cuda":
