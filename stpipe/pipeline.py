@@ -24,10 +24,14 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    takes a free slot (a bounded queue of ``S`` slot numbers: at most ``d`` batches are
    gathered ahead of the one being trained).
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
-   computes the planner's ``overlap`` of ``j`` with each of them, off the lock.
+   computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
+   asynchronous copy on the copy stream, through the pinned upload ring, moves everything
+   ``j`` needs on the device: each table's inverse and unique ids, the overlaps, and the
+   batch's own CPU tensors.
 3. Under the pipeline's *issue lock* it gathers ``j``'s unique rows (and the per-row
    optimizer state known so far) from the host tables into slot buffers on the copy
-   stream, records ``j.ready`` there, and adds ``j`` to the in-flight set. A slot holds a
+   stream, records ``j.ready`` there (one event, also the tables' read event), and adds
+   ``j`` to the in-flight set. A slot holds a
    table's rows and state as one ``(1 + keys, cap, dim)`` stack, so one fused UVA launch
    (:func:`stpipe.host.gather_many`) gathers them all, and one ``index_select`` /
    ``index_copy_`` pair does a fix-up (5a).
