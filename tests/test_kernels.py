@@ -160,6 +160,35 @@ def test_upload_on_cpu_shares_memory():
     assert t.data_ptr() == a.ctypes.data
 
 
+def test_upload_ring_layout_round_trips():
+    """The ring's packing and typed views (device-independent byte logic, here on a CPU
+    byte buffer): every dtype, shape and size comes back exact, at aligned offsets."""
+    from stpipe import _staging
+
+    rng = np.random.default_rng(0)
+    hosts = [
+        np.arange(7, dtype=np.int64),
+        rng.standard_normal((3, 5)).astype(np.float32),
+        np.array(42, dtype=np.int64),                       # 0-d
+        np.empty((0, 4), dtype=np.float16),                 # empty
+        rng.integers(0, 2, 9).astype(bool),
+        rng.integers(-5, 5, (2, 3, 2)).astype(np.int32),
+        rng.standard_normal(11).astype(np.float16),
+        np.arange(6, dtype=np.int64).reshape(2, 3),         # a second int64 array
+    ]
+    offsets, total = [], 0
+    for h in hosts:
+        offsets.append(total)
+        total += -(-h.nbytes // _staging._ALIGN) * _staging._ALIGN
+    buf = np.zeros(max(total, _staging._ALIGN), dtype=np.uint8)
+    _staging._pack(buf, 0, hosts, offsets)
+    views = _staging._views(torch.from_numpy(buf), hosts, offsets)
+    for h, v in zip(hosts, views):
+        assert tuple(v.shape) == h.shape
+        assert v.dtype == torch.from_numpy(np.empty(0, h.dtype)).dtype
+        np.testing.assert_array_equal(v.numpy(), h)
+
+
 def test_gather_many_on_cpu_matches_index_select():
     from stpipe.host import HostTable, gather_many, scatter_many
 
