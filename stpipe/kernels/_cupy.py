@@ -153,6 +153,7 @@ class _DriverLaunch:
 
 #: CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context yet
 _NO_CONTEXT = 201
+_UNKNOWN = object()
 
 
 def _device_pointer_check(cp, ptr: int) -> None:
@@ -205,8 +206,9 @@ class CupyBackend:
         self._sms: Dict[int, int] = {}
         self._checked: Dict[Tuple[int, int], bool] = {}
         self._streams: Dict[Tuple[int, int], object] = {}
-        self._fptrs: Dict[Tuple[int, str, int], Optional[int]] = {}
-        self._fobjs: Dict[Tuple[int, str, int], object] = {}
+        #: (device, kernel, word) -> CuPy Function (its ``ptr`` is the CUfunction), or
+        #: None where this CuPy does not expose it
+        self._functions: Dict[Tuple[int, str, int], object] = {}
         self._driver: Optional[_DriverLaunch] = None
         try:
             self._driver = _DriverLaunch()
@@ -239,11 +241,8 @@ class CupyBackend:
             self._streams[key] = got
         return got
 
-    def _check_pinned(self, index: int, table: torch.Tensor, ptr: Optional[int] = None) -> None:
-        """:func:`_device_pointer_check` once per table pointer and device (``ptr``: the
-        table's ``data_ptr()`` when the caller has it)."""
-        if ptr is None:
-            ptr = table.data_ptr()
+    def _check_pinned(self, index: int, ptr: int) -> None:
+        """:func:`_device_pointer_check` once per table pointer (``data_ptr()``) and device."""
         base = (index, ptr)
         if base not in self._checked:
             with self._cp.cuda.Device(index):
@@ -255,25 +254,34 @@ class CupyBackend:
         n = len(ids)
         if n == 0:
             return
-        cp = self._cp
         device = dev_buf.device
         index = device.index
         rb = row_bytes(table)
         tptr, bptr = table.data_ptr(), dev_buf.data_ptr()
-        self._check_pinned(index, table, tptr)
+        self._check_pinned(index, tptr)
         word = word_bytes(rb, tptr, bptr)
         words = rb // word
         total = n * words
-        kernel = self._kernel(index, op, word)
-        blocks, threads = launch_shape(total, self._sms[index])
+        blocks, threads = launch_shape(total, self._sms_of(index, op, word))
         id_t = ids.on_device(device, stream)
-        values = (tptr, id_t.data_ptr(), bptr, total, words)
-        if self._fast(index, op, word, (blocks, 1), threads, stream, values):
+        self._run(index, op, word, (blocks, 1), threads, stream,
+                  (tptr, id_t.data_ptr(), bptr, total, words), pointers=3)
+
+    def _sms_of(self, index: int, name: str, word: int) -> int:
+        """The device's multiprocessor count (known once a kernel is compiled there)."""
+        self._kernel(index, name, word)
+        return self._sms[index]
+
+    def _run(self, index: int, name: str, word: int, grid: Tuple[int, int], block: int,
+             stream: "torch.cuda.Stream", values: Sequence[int], pointers: int) -> None:
+        """Launch kernel ``name`` with ``values`` (the first ``pointers`` of them are
+        pointers, the rest 64-bit integers; all non-negative): through
+        :class:`_DriverLaunch` when it can, through CuPy otherwise."""
+        if self._fast(index, name, word, grid, block, stream, values):
             return
-        args = (np.uint64(tptr), np.uint64(id_t.data_ptr()), np.uint64(bptr),
-                np.int64(total), np.int64(words))
-        with cp.cuda.Device(index):
-            kernel((blocks,), (threads,), args, stream=self._stream(index, stream))
+        args = tuple(np.uint64(v) for v in values[:pointers]) + tuple(np.int64(v) for v in values[pointers:])
+        with self._cp.cuda.Device(index):
+            self._kernel(index, name, word)(grid, (block,), args, stream=self._stream(index, stream))
 
     def _fast(self, index: int, name: str, word: int, grid: Tuple[int, int], block: int,
               stream: "torch.cuda.Stream", values: Sequence[int]) -> bool:
@@ -284,19 +292,18 @@ class CupyBackend:
         if drv is None:
             return False
         key = (index, name, word)
-        fptr = self._fptrs.get(key, 0)
-        if fptr == 0:  # not looked up yet
-            try:
+        fn = self._functions.get(key, _UNKNOWN)
+        if fn is _UNKNOWN:
+            try:  # the CUfunction handle lives with its module; the object keeps both
                 with self._cp.cuda.Device(index):
                     fn = self._kernel(index, name, word).kernel
-                    fptr = int(fn.ptr)
-                self._fobjs[key] = fn  # the handle lives with its module; keep both
+                int(fn.ptr)
             except Exception:  # a CuPy without RawKernel.kernel.ptr
-                fptr = None
-            self._fptrs[key] = fptr
-        if fptr is None or torch.cuda.current_device() != index:
+                fn = None
+            self._functions[key] = fn
+        if fn is None or torch.cuda.current_device() != index:
             return False
-        err = drv(fptr, grid, block, int(stream.cuda_stream), values)
+        err = drv(fn.ptr, grid, block, int(stream.cuda_stream), values)
         if err == 0:
             return True
         if err != _NO_CONTEXT:
@@ -313,42 +320,27 @@ class CupyBackend:
         n = len(ids)
         if n == 0 or not tables:
             return
-        cp = self._cp
         device = planes.device
         index = device.index
         rb = row_bytes(tables[0])
         isz = planes.element_size()
         ptrs = [t.data_ptr() for t in tables]
-        for t, p in zip(tables, ptrs):
-            self._check_pinned(index, t, p)
+        for p in ptrs:
+            self._check_pinned(index, p)
         plane_bytes = planes.stride(0) * isz
         word = word_bytes(rb, planes.data_ptr(), plane_bytes, *ptrs)
         words = rb // word
         total = n * words
-        kernel = self._kernel(index, op + "_many", word)
-        blocks, threads = launch_shape(total, self._sms[index])
+        name = op + "_many"
+        blocks, threads = launch_shape(total, self._sms_of(index, name, word))
         id_t = ids.on_device(device, stream)
         idp, pp = id_t.data_ptr(), planes.data_ptr()
-        name = op + "_many"
         for g in range(0, len(tables), MANY):
             part = ptrs[g:g + MANY]
             part = part + [part[0]] * (MANY - len(part))
-            values = (*part, idp, pp + g * plane_bytes, plane_bytes // word, total, words)
-            if not self._fast(index, name, word, (blocks, min(MANY, len(tables) - g)), threads,
-                              stream, values):
-                break
-        else:
-            return
-        # CuPy's launch for the groups from g on
-        cs = self._stream(index, stream)
-        with cp.cuda.Device(index):
-            for g in range(g, len(tables), MANY):
-                part = ptrs[g:g + MANY]
-                part = part + [part[0]] * (MANY - len(part))
-                args = tuple(np.uint64(p) for p in part) + (
-                    np.uint64(id_t.data_ptr()), np.uint64(planes.data_ptr() + g * plane_bytes),
-                    np.int64(plane_bytes // word), np.int64(total), np.int64(words))
-                kernel((blocks, min(MANY, len(tables) - g)), (threads,), args, stream=cs)
+            self._run(index, name, word, (blocks, min(MANY, len(tables) - g)), threads, stream,
+                      (*part, idp, pp + g * plane_bytes, plane_bytes // word, total, words),
+                      pointers=MANY + 2)
 
     def gather_many(self, tables: Sequence[torch.Tensor], ids: IndexBatch, out: torch.Tensor,
                     stream: "torch.cuda.Stream") -> None:
