@@ -131,21 +131,23 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
         _pack(src.numpy(), 0, hosts, offsets)
         # the caching host allocator keeps `src` until the copy has run (it records an
         # event on the copy's stream), so it may be dropped on return
-        views = _views(_copy_up(src, device, stream), hosts, offsets)
-        if not event:
-            return views
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return views, ev
-    with ring.lock:
-        base = ring.alloc(total)
-        _pack(ring.np, base, hosts, offsets)
-        dev = _copy_up(ring.buf[base:base + total], device, stream)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        ring.pending.append((base, base + total, ev))
+        dev = _copy_up(src, device, stream)
+        ev = None
+    else:
+        with ring.lock:
+            base = ring.alloc(total)
+            _pack(ring.np, base, hosts, offsets)
+            dev = _copy_up(ring.buf[base:base + total], device, stream)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            ring.pending.append((base, base + total, ev))
     views = _views(dev, hosts, offsets)
-    return (views, ev) if event else views
+    if not event:
+        return views
+    if ev is None:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+    return views, ev
 
 
 def _pack(dst: np.ndarray, base: int, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:

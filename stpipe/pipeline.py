@@ -878,7 +878,6 @@ class Pipeline:
         copies: List[torch.Tensor] = [outs[0]]  # claimed (recorded) with the batch at entry
         alias: Dict[int, torch.Tensor] = {}
         device = self.device
-        n_copies = 1
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
             if t.device == device:
@@ -896,9 +895,9 @@ class Pipeline:
         if len(moved) == len(seen):  # everything came with the one upload
             flight.batch = _map_tensors(to_device, flight.source)
         else:
-            with torch.cuda.stream(self._copy_stream):  # the device is current in this thread
+            with on_stream(self._copy_stream):
                 flight.batch = _map_tensors(to_device, flight.source)
-        if len(copies) > n_copies:
+        if len(copies) > 1:  # copies made beside the upload: the event goes behind them
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         flight.batch_event = event
@@ -917,7 +916,7 @@ class Pipeline:
         if flight.batch_event is None:
             return
         if cur is None:
-            cur = torch.cuda.current_stream(self.device)
+            cur = current_stream(self.device)
         if any(s == cur for s in flight.claimed):
             return
         if wait:
@@ -970,7 +969,7 @@ class Pipeline:
             k = tf.k
             slots = self._slots[name]
             if not slots.fits(flight.slot, k, keys):
-                with torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext():
+                with on_stream(cs) if self._cuda else contextlib.nullcontext():
                     slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
             if k:
                 self._gather_keys(emb, slots, flight.slot, tf, keys, with_rows=True, pending=pending)
@@ -1031,7 +1030,7 @@ class Pipeline:
                 for name, tf in f.tables.items()}
         if any(late.values()):
             with self._lock:
-                ctx = torch.cuda.stream(cs) if self._cuda else contextlib.nullcontext()
+                ctx = on_stream(cs) if self._cuda else contextlib.nullcontext()
                 with ctx:
                     for name, keys in late.items():
                         if not keys:
