@@ -1459,13 +1459,10 @@ class DataGadget:
             IndexError: an id out of range. TypeError: non-integer ids.
         """
         store = self._require()
-        dev_ids = _device_ids(indexes, store.num_rows)
-        if dev_ids is not None and isinstance(store, _TensorStore) and store.device == dev_ids.device:
-            # GPU ids, GPU table: checked on the device, one gather, no host round trip
+        ids, dev_ids = self._ids(indexes, store)
+        if ids is None:  # GPU ids, GPU table: checked there, one gather, no host round trip
             rows = store.t.index_select(0, dev_ids.reshape(-1))
             return rows.view(tuple(dev_ids.shape) + self._shape[1:])
-        ids = (_gadget_ids(indexes, store.num_rows) if dev_ids is None
-               else dev_ids.cpu().numpy())  # GPU ids for a host table: checked above
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         rows = store.gather(_checked(flat, store), self._device())
         return rows.view(tuple(ids.shape) + self._shape[1:])
@@ -1485,10 +1482,7 @@ class DataGadget:
             IndexError: an id out of range. ValueError: a shape that does not fit.
         """
         store = self._require()
-        dev_ids = _device_ids(indexes, store.num_rows)
-        ids = (_gadget_ids(indexes, store.num_rows) if dev_ids is None
-               else dev_ids.cpu().numpy() if not isinstance(store, _TensorStore)
-               or store.device != dev_ids.device or not store.stamps_fit() else None)
+        ids, dev_ids = self._ids(indexes, store)
         shape = tuple(dev_ids.shape) if ids is None else ids.shape
         if not isinstance(dataObject, torch.Tensor):
             dataObject = (torch.from_dlpack(dataObject) if hasattr(dataObject, "__dlpack__")
@@ -1502,16 +1496,16 @@ class DataGadget:
         rows = dataObject.reshape(n, store.dim)
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
-        if ids is None:  # GPU ids, GPU table: checked and deduplicated on the device
-            store.scatter_last(dev_ids.reshape(-1), rows)
-            return
-        flat = ids.reshape(-1).astype(np.int64, copy=False)
         ids_dev = None
         if isinstance(store, _TensorStore) and store.device.type == "cuda":
-            ids_dev = _ids_tensor(flat, store.device)
+            ids_dev = (dev_ids.reshape(-1) if ids is None
+                       else _ids_tensor(ids.reshape(-1).astype(np.int64, copy=False), store.device))
             if store.stamps_fit():  # last occurrence wins, decided on the GPU, no sync
                 store.scatter_last(ids_dev, rows)
                 return
+        if ids is None:  # narrow rows: the repeat check below also reads the ids on the host
+            ids = dev_ids.cpu().numpy()
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
         if _distinct(flat, store.num_rows, ids_dev):
             store.scatter(_checked(flat, store), rows, ids_dev)
         else:
@@ -1520,6 +1514,17 @@ class DataGadget:
     def saveCupy(self, saveFileName: PathLike) -> None:
         """Save the table as ``.npy`` (``.npy`` appended if missing), atomically."""
         _save_store_npy(self._require(), _npy_name(saveFileName), self._shape)
+
+    @staticmethod
+    def _ids(indexes: Any, store: Any) -> Tuple[Optional[np.ndarray], Optional[torch.Tensor]]:
+        """Checked ids: ``(None, ids on the GPU)`` when they are on the GPU table's own
+        device, else ``(host ids, None)`` (GPU ids for a host table are copied down)."""
+        dev_ids = _device_ids(indexes, store.num_rows)
+        if dev_ids is None:
+            return _gadget_ids(indexes, store.num_rows), None
+        if isinstance(store, _TensorStore) and store.device == dev_ids.device:
+            return None, dev_ids
+        return dev_ids.cpu().numpy(), None
 
     def getNumpyVersion(self) -> np.ndarray:
         """A numpy copy of the table, in the file's shape."""
