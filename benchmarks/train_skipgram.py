@@ -447,6 +447,7 @@ def main(argv=None) -> int:
     log(f"batches made in {time.perf_counter() - t0:.1f} s; unique context rows/step ~{np.mean(uniq):.0f}")
     results: Dict[str, Any] = {}
     st = None
+    trace_dir = args.trace or os.path.join(args.out or ".", "trace")
     for m in methods:
         reset_gpu(dev)
         log(f"-- {m}")
@@ -482,7 +483,7 @@ def main(argv=None) -> int:
                 if st is None:
                     st = _Stpipe(args, dev)
                 results[m] = st.run(args, dev, batches, 0, trace_ops=False,
-                                    trace=os.path.join(args.trace or os.path.join(args.out or ".", "trace"), "depth0"))
+                                    trace=os.path.join(trace_dir, "depth0"))
             elif m in ("stpipe_depth0", "stpipe_depth1", "profile", "trace"):
                 if st is None:
                     st = _Stpipe(args, dev)
@@ -490,7 +491,7 @@ def main(argv=None) -> int:
                 depth = 0 if m == "stpipe_depth0" else 1
                 key = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
                 results[key] = st.run(args, dev, batches, depth, profile=(m == "profile"),
-                                      trace=(args.trace or os.path.join(args.out or ".", "trace")) if m == "trace" else None)
+                                      trace=trace_dir if m == "trace" else None)
             else:
                 results[m] = {"skipped": "unknown method"}
         except Exception as exc:  # keep going: report what failed
