@@ -832,6 +832,11 @@ def _fused_mover(tables: "List[HostTable]") -> Any:
         if (not t.pinned or t.backend not in ("auto", "cupy") or t.dtype != t0.dtype
                 or t.dim != t0.dim or t.device != t0.device or t.num_rows != t0.num_rows):
             return None
+    return _cupy_backend()
+
+
+def _cupy_backend() -> Any:
+    """The CuPy backend (shared), or ``None`` where CuPy cannot run (asked once)."""
     global _FUSED
     if _FUSED is None:
         try:
@@ -876,18 +881,57 @@ def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tenso
                 t.scatter(batch, planes[g], stream=stream, assume_unique=True)
         return
     s = t0._stream(stream)
-    write = op == "scatter"
-    for t in tables:
-        t._before(mover, s, write=write)
-    if write:
+    if op == "scatter":
         planes.record_stream(s)
-        mover.scatter_many([t._data for t in tables], batch, planes, s)
-    else:
-        mover.gather_many([t._data for t in tables], batch, planes, s)
-    if pending is not None:
-        pending.append((mover, tables, write))
-        return
-    _finish([(mover, tables, write)], s)
+    move = _PreparedMove(op, tables, planes, mover)
+    move(batch.on_device(planes.device, s).data_ptr(), n, s, pending)
+
+
+class _PreparedMove:
+    """A fused ``op`` (gather/scatter) of fixed ``tables`` over the planes of a fixed
+    device buffer, launch arguments worked out once (CuPy backend's ``prepare_many``).
+
+    ``move(ids_ptr, n, stream, pending)`` orders the access after conflicting ones on
+    other streams (each table's events), launches for the ``n`` int64 ids at device
+    address ``ids_ptr`` (rows ``0..n-1`` of each plane) and then records the tables'
+    event, or appends its bookkeeping to ``pending`` for :func:`_finish`. The caller keeps
+    the ids and the buffer alive until ``stream`` has run the launch. The pipeline keeps
+    one per staging slot and table group (:func:`_prepare_move`).
+    """
+
+    __slots__ = ("tables", "write", "_mover", "_launch")
+
+    def __init__(self, op: str, tables: "List[HostTable]", planes: torch.Tensor, mover: Any) -> None:
+        self.tables = list(tables)
+        self.write = op == "scatter"
+        self._mover = mover
+        self._launch = mover.prepare_many(op, [t._data for t in tables], planes)
+
+    def __call__(self, ids_ptr: int, n: int, stream: "torch.cuda.Stream",
+                 pending: Optional[list] = None) -> None:
+        mover, write = self._mover, self.write
+        for t in self.tables:
+            t._check_open()
+            t._before(mover, stream, write=write)
+        self._launch(ids_ptr, n, stream)
+        if pending is not None:
+            pending.append((mover, self.tables, write))
+        else:
+            _finish([(mover, self.tables, write)], stream)
+
+
+def _prepare_move(op: str, tables: "List[HostTable]", planes: torch.Tensor) -> Optional[_PreparedMove]:
+    """A :class:`_PreparedMove` of ``tables`` over ``planes`` (``(len(tables), cap, dim)``,
+    rows contiguous), or ``None`` where no fused kernel can move them (see
+    :func:`_fused_mover`); the caller then uses :func:`gather_many`/:func:`scatter_many`."""
+    t0 = tables[0]
+    if (planes.dim() != 3 or planes.shape[0] != len(tables) or planes.dtype != t0.dtype
+            or planes.device != t0.device or planes.stride(2) != 1 or planes.stride(1) != t0.dim):
+        return None
+    mover = _fused_mover(tables)
+    if mover is None:
+        return None
+    return _PreparedMove(op, tables, planes, mover)
 
 
 def _finish(pending: list, stream: "torch.cuda.Stream") -> "torch.cuda.Event":

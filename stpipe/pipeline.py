@@ -109,6 +109,7 @@ from ._streams import current_stream, on_stream
 from .host import _finish
 from .host import gather_many as _gather_many
 from .host import scatter_many as _scatter_many
+from .host import _prepare_move, _cupy_backend
 from .kernels import IndexBatch
 from .loader import _copy_to, _map_tensors, _put_unless_stopped
 from .planner import Plan, as_index_array, check_ids, overlap
@@ -231,6 +232,9 @@ class _Slots:
         self.stacked: List[Tuple[str, ...]] = [()] * num_slots
         self.extra: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_slots)]
         self.cap = [0] * num_slots
+        #: per slot: (op, first plane, planes) -> (tables, prepared move or None), for
+        #: the slot's current stack (cleared when :meth:`ensure` replaces it)
+        self.moves: List[Dict[Tuple[str, int, int], Tuple[List[Any], Any]]] = [dict() for _ in range(num_slots)]
 
     def rows(self, slot: int, k: int) -> torch.Tensor:
         return self.stack[slot][0, :k]
@@ -244,8 +248,26 @@ class _Slots:
     def group(self, slot: int, k: int, keys: Iterable[str]) -> Tuple[List[str], torch.Tensor]:
         """The stacked keys among ``keys`` (a prefix of the stack) and their planes
         ``(1 + m, k, dim)``, the rows first: what one fused call moves."""
-        stacked = [key for key in self.stacked[slot] if key in keys]
+        stacked = self.stacked_among(slot, keys)
         return stacked, self.stack[slot][: 1 + len(stacked), :k]
+
+    def stacked_among(self, slot: int, keys: Iterable[str]) -> List[str]:
+        """The stacked keys among ``keys``, in stack order (a prefix of the stack)."""
+        return [key for key in self.stacked[slot] if key in keys]
+
+    def move(self, slot: int, op: str, lo: int, tables: List[Any]) -> Any:
+        """The prepared fused ``op`` of ``tables`` over planes ``lo..lo+len(tables)-1`` of
+        the slot's stack (:func:`stpipe.host._prepare_move`), or ``None`` where no fused
+        kernel moves them. Made once per stack and table set, so a batch's gather or
+        write-back of one table is one call with the ids' pointer and count."""
+        cache = self.moves[slot]
+        key = (op, lo, len(tables))
+        hit = cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], tables)):
+            return hit[1]
+        move = _prepare_move(op, tables, self.stack[slot][lo:lo + len(tables)])
+        cache[key] = (list(tables), move)
+        return move
 
     def fits(self, slot: int, k: int, keys: Sequence[str]) -> bool:
         """Whether slot ``slot`` holds ``k`` rows and every key already (no :meth:`ensure`)."""
@@ -278,6 +300,7 @@ class _Slots:
                 new[: old.shape[0], :n].copy_(old[:, :n])
                 self._retire(old, streams)
             self.stack[slot], self.stacked[slot] = new, want
+            self.moves[slot].clear()
             extra = self.extra[slot]
             for key, buf in list(extra.items()):
                 grown = torch.empty(new_cap, emb.embedding_dim, dtype=buf.dtype, device=emb.device)
@@ -987,12 +1010,16 @@ class Pipeline:
         :func:`stpipe.host._move_many`."""
         k = tf.k
         rs = emb.row_state
-        stacked, planes = slots.group(slot, k, keys)
+        stacked = slots.stacked_among(slot, keys)
         if with_rows or stacked:
-            tables = [emb.table] + [rs.tables[key] for key in stacked]
-            if not with_rows:
-                planes, tables = planes[1:], tables[1:]
-            _gather_many(tables, tf.rows, planes, stream=self._copy_stream, pending=pending)
+            lo = 0 if with_rows else 1
+            tables = ([emb.table] + [rs.tables[key] for key in stacked])[lo:]
+            move = slots.move(slot, "gather", lo, tables) if self._cuda else None
+            if move is not None:
+                move(tf.rows.device_ids.data_ptr(), k, self._copy_stream, pending)
+            else:
+                planes = slots.stack[slot][lo:1 + len(stacked), :k]
+                _gather_many(tables, tf.rows, planes, stream=self._copy_stream, pending=pending)
         for key in keys:
             if key not in stacked:
                 out = slots.state(slot, key, k)
@@ -1195,9 +1222,14 @@ class Pipeline:
                 emb = self.tables[name]
                 rows, sv = views[name]
                 slots = self._slots[name]
-                stacked, planes = slots.group(f.slot, tf.k, sv)
-                _scatter_many([emb.table] + [emb.row_state.tables[key] for key in stacked],
-                              tf.rows, planes, stream=cs, pending=pending)
+                stacked = slots.stacked_among(f.slot, sv)
+                tables = [emb.table] + [emb.row_state.tables[key] for key in stacked]
+                move = slots.move(f.slot, "scatter", 0, tables) if self._cuda else None
+                if move is not None:
+                    move(tf.rows.device_ids.data_ptr(), tf.k, cs, pending)
+                else:
+                    planes = slots.stack[f.slot][: len(tables), : tf.k]
+                    _scatter_many(tables, tf.rows, planes, stream=cs, pending=pending)
                 for key, buf in sv.items():
                     if key not in stacked:
                         emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
@@ -1217,8 +1249,12 @@ class Pipeline:
         m = 0
         while m < min(len(sf), len(sg)) and sf[m] == sg[m]:
             m += 1
-        dst = slots.stack[g.slot][: 1 + m]
-        dst.index_copy_(1, np_, slots.stack[f.slot][: 1 + m, : ftf.k].index_select(1, pp))
+        src, dst = slots.stack[f.slot][: 1 + m], slots.stack[g.slot][: 1 + m]
+        carrier = _cupy_backend() if self._cuda else None
+        if carrier is not None and src.shape[2] * src.element_size() % 2 == 0:
+            carrier.carry_many(src, dst, pp, np_, self._copy_stream)  # one launch, all planes
+        else:
+            dst.index_copy_(1, np_, src[:, : ftf.k].index_select(1, pp))
         for key in keys:
             if key not in sf[:m]:
                 d = slots.state(g.slot, key, gtf.k)

@@ -202,17 +202,23 @@ def test_gpu_prefetch_failure_is_reraised(cuda_device, depth, monkeypatch):
     opt = OPTIMIZERS["adam"](emb.parameters())
     import stpipe.pipeline as pipeline_mod
 
-    real = pipeline_mod._gather_many  # the fused gather of rows + state, one call per batch
+    import stpipe.host as host_mod
+
+    # the fused gather of rows + state, one call per batch: a prepared move (CuPy) or
+    # gather_many (other backends); whichever runs in the prefetch thread fails at batch 6
     calls = {"n": 0}
 
-    def flaky(*a, **kw):
-        if threading.current_thread().name.startswith("stpipe-prefetch"):
-            calls["n"] += 1
-            if calls["n"] == 7:
-                raise RuntimeError("injected")
-        return real(*a, **kw)
+    def flaky(real):
+        def call(*a, **kw):
+            if threading.current_thread().name.startswith("stpipe-prefetch"):
+                calls["n"] += 1
+                if calls["n"] == 7:
+                    raise RuntimeError("injected")
+            return real(*a, **kw)
+        return call
 
-    monkeypatch.setattr(pipeline_mod, "_gather_many", flaky)
+    monkeypatch.setattr(pipeline_mod, "_gather_many", flaky(pipeline_mod._gather_many))
+    monkeypatch.setattr(host_mod._PreparedMove, "__call__", flaky(host_mod._PreparedMove.__call__))
     with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
         with pytest.raises(RuntimeError, match="injected") as info:
             for step in pipe.run(data):

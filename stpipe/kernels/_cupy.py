@@ -49,6 +49,22 @@ __device__ __forceinline__ void gather_words(const W* __restrict__ table,
     }
 }
 
+// dst[to[j]] = src[from[j]] row by row (device to device, two index lists): the
+// pipeline's carry of rows a later batch shares with the step that just ran.
+template <typename W>
+__device__ __forceinline__ void carry_words(const W* __restrict__ src, W* __restrict__ dst,
+                                            const long long* __restrict__ from,
+                                            const long long* __restrict__ to,
+                                            long long total, long long words) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (; k < total; k += stride) {
+        const long long row = k / words;
+        const long long w = k - row * words;
+        dst[to[row] * words + w] = src[from[row] * words + w];
+    }
+}
+
 template <typename W>
 __device__ __forceinline__ void scatter_words(W* __restrict__ table,
                                               const long long* __restrict__ ids,
@@ -88,7 +104,12 @@ extern "C" __global__ void stpipe_scatter_many_##W(W* t0, W* t1, W* t2, W* t3,  
         const long long* ids, const W* rows, long long plane, long long total,         \
         long long words)                                                               \
 { scatter_words<W>(const_cast<W*>(pick<W>(t0, t1, t2, t3)), ids, rows + blockIdx.y * plane, \
-                   total, words); }
+                   total, words); }                                                    \
+extern "C" __global__ void stpipe_carry_many_##W(const W* src, W* dst,                  \
+        const long long* from, const long long* to, long long src_plane,               \
+        long long dst_plane, long long total, long long words)                         \
+{ carry_words<W>(src + blockIdx.y * src_plane, dst + blockIdx.y * dst_plane, from, to,  \
+                 total, words); }
 
 STPIPE_KERNELS(w2_t)
 STPIPE_KERNELS(w4_t)
@@ -154,6 +175,29 @@ class _DriverLaunch:
 #: CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context yet
 _NO_CONTEXT = 201
 _UNKNOWN = object()
+
+
+class _Prepared:
+    """One fused move (:meth:`CupyBackend.prepare_many`): ``prepared(ids_ptr, n, stream)``
+    launches it for the ``n`` int64 ids at device address ``ids_ptr`` on ``stream``."""
+
+    __slots__ = ("_backend", "_index", "_name", "_word", "_words", "_sms", "_plane", "_groups")
+
+    def __init__(self, backend: "CupyBackend", index: int, name: str, word: int, words: int,
+                 sms: int, plane: int, groups: Sequence[Tuple[Tuple[int, ...], int, int]]) -> None:
+        self._backend, self._index, self._name, self._word = backend, index, name, word
+        self._words, self._sms, self._plane, self._groups = words, sms, plane, list(groups)
+
+    def __call__(self, ids_ptr: int, n: int, stream: "torch.cuda.Stream") -> None:
+        if n <= 0:
+            return
+        words = self._words
+        total = n * words
+        blocks, threads = launch_shape(total, self._sms)
+        run = self._backend._run
+        for part, base, count in self._groups:
+            run(self._index, self._name, self._word, (blocks, count), threads, stream,
+                (*part, ids_ptr, base, self._plane, total, words), pointers=MANY + 2)
 
 
 def _device_pointer_check(cp, ptr: int) -> None:
@@ -314,33 +358,65 @@ class CupyBackend:
                           "launching through CuPy from now on", RuntimeWarning, stacklevel=4)
         return False
 
+    def prepare_many(self, op: str, tables: Sequence[torch.Tensor], planes: torch.Tensor) -> "_Prepared":
+        """``op`` ("gather"/"scatter") of up to :data:`MANY` tables per launch over the
+        planes of ``planes``, with everything but the ids and their count worked out once.
+
+        ``planes`` fixes the device buffer: plane ``g`` starts at
+        ``planes.data_ptr() + g * planes.stride(0) * itemsize`` and its rows are
+        contiguous; calls may move any ``n`` rows up to the buffer's capacity. The pinned
+        check of each table runs here, once. The pipeline keeps one per staging slot and
+        table group, so a batch's gather or write-back is one call per table group.
+        """
+        device = planes.device
+        index = device.index
+        rb = row_bytes(tables[0])
+        ptrs = [t.data_ptr() for t in tables]
+        for p in ptrs:
+            self._check_pinned(index, p)
+        plane_bytes = planes.stride(0) * planes.element_size()
+        word = word_bytes(rb, planes.data_ptr(), plane_bytes, *ptrs)
+        name = op + "_many"
+        groups = []
+        for g in range(0, len(tables), MANY):
+            part = ptrs[g:g + MANY]
+            groups.append((tuple(part + [part[0]] * (MANY - len(part))),
+                           planes.data_ptr() + g * plane_bytes, min(MANY, len(tables) - g)))
+        return _Prepared(self, index, name, word, rb // word, self._sms_of(index, name, word),
+                         plane_bytes // word, groups)
+
     def _launch_many(self, op: str, tables: Sequence[torch.Tensor], ids: IndexBatch,
                      planes: torch.Tensor, stream: "torch.cuda.Stream") -> None:
         """``op`` for up to :data:`MANY` tables per launch over the planes of ``planes``."""
         n = len(ids)
         if n == 0 or not tables:
             return
-        device = planes.device
-        index = device.index
-        rb = row_bytes(tables[0])
-        isz = planes.element_size()
-        ptrs = [t.data_ptr() for t in tables]
-        for p in ptrs:
-            self._check_pinned(index, p)
-        plane_bytes = planes.stride(0) * isz
-        word = word_bytes(rb, planes.data_ptr(), plane_bytes, *ptrs)
+        prepared = self.prepare_many(op, tables, planes)
+        prepared(ids.on_device(planes.device, stream).data_ptr(), n, stream)
+
+    def carry_many(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                   dst_rows: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+        """``dst[:, dst_rows[j]] = src[:, src_rows[j]]`` for every plane, in one launch.
+
+        ``src`` and ``dst`` are ``(G, cap, dim)`` device buffers of one dtype (any
+        ``G <= 65535``; rows contiguous, planes may be strided) that do not overlap;
+        ``src_rows``/``dst_rows`` are int64 device tensors of one length. Stream: the
+        launch runs on ``stream``; the caller orders it after the producers of all four.
+        """
+        n = int(src_rows.shape[0])
+        if n == 0:
+            return
+        index = src.device.index
+        isz = src.element_size()
+        rb = src.shape[2] * isz
+        sp, dp = src.stride(0) * isz, dst.stride(0) * isz
+        word = word_bytes(rb, src.data_ptr(), dst.data_ptr(), sp, dp)
         words = rb // word
         total = n * words
-        name = op + "_many"
-        blocks, threads = launch_shape(total, self._sms_of(index, name, word))
-        id_t = ids.on_device(device, stream)
-        idp, pp = id_t.data_ptr(), planes.data_ptr()
-        for g in range(0, len(tables), MANY):
-            part = ptrs[g:g + MANY]
-            part = part + [part[0]] * (MANY - len(part))
-            self._run(index, name, word, (blocks, min(MANY, len(tables) - g)), threads, stream,
-                      (*part, idp, pp + g * plane_bytes, plane_bytes // word, total, words),
-                      pointers=MANY + 2)
+        blocks, threads = launch_shape(total, self._sms_of(index, "carry_many", word))
+        self._run(index, "carry_many", word, (blocks, int(src.shape[0])), threads, stream,
+                  (src.data_ptr(), dst.data_ptr(), src_rows.data_ptr(), dst_rows.data_ptr(),
+                   sp // word, dp // word, total, words), pointers=4)
 
     def gather_many(self, tables: Sequence[torch.Tensor], ids: IndexBatch, out: torch.Tensor,
                     stream: "torch.cuda.Stream") -> None:
