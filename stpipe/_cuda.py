@@ -23,7 +23,8 @@ from ._errors import BackendUnavailableError, StpipeRuntimeError
 #: cudaErrorHostMemoryAlreadyRegistered
 ALREADY_REGISTERED = 712
 
-__all__ = ["REGISTER_CHUNK", "PAGE", "host_register", "host_unregister", "cuda_available"]
+__all__ = ["REGISTER_CHUNK", "PAGE", "host_register", "host_unregister", "cuda_available",
+           "driver_calls"]
 
 #: Bytes page-locked by one ``cudaHostRegister`` call.
 REGISTER_CHUNK = 1 << 30
@@ -165,3 +166,40 @@ def host_unregister(ranges: List[Tuple[int, int]]) -> None:
     ranges.clear()
     if first is not None:
         raise first
+
+
+_DRIVER_CALLS: object = None  # None: not looked up yet; False: unavailable
+_DRIVER_ENV = "STPIPE_DRIVER_CALLS"
+
+
+def driver_calls():
+    """The compiled driver calls (:mod:`stpipe._calls`) bound to this process's CUDA
+    driver, or ``None``: extension not built, no ``libcuda.so.1``, or
+    ``STPIPE_DRIVER_CALLS=0`` (callers then take their pure-Python paths). Looked up once.
+    """
+    global _DRIVER_CALLS
+    if _DRIVER_CALLS is None:
+        with _reg_lock:
+            if _DRIVER_CALLS is None:
+                _DRIVER_CALLS = _bind_driver_calls() or False
+    return _DRIVER_CALLS or None
+
+
+def _bind_driver_calls():
+    import os
+
+    if os.environ.get(_DRIVER_ENV, "1").strip() == "0":
+        return None
+    try:
+        from . import _calls
+    except ImportError:  # pragma: no cover - depends on the build
+        return None
+    if not _calls.bound():
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            launch = ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value
+            htod = ctypes.cast(lib.cuMemcpyHtoDAsync_v2, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            return None
+        _calls.bind(launch, htod)
+    return _calls

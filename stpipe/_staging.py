@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Deque, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from ._cuda import driver_calls
 from ._streams import on_stream
 
 __all__ = ["upload", "RING_BYTES"]
@@ -41,6 +42,7 @@ class _Ring:
     def __init__(self, nbytes: int) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.np = self.buf.numpy()
+        self.ptr = self.buf.data_ptr()
         self.size = nbytes
         self.head = 0
         self.pending: Deque[Tuple[int, int, "torch.cuda.Event"]] = deque()
@@ -131,13 +133,16 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
         _pack(src.numpy(), 0, hosts, offsets)
         # the caching host allocator keeps `src` until the copy has run (it records an
         # event on the copy's stream), so it may be dropped on return
-        dev = _copy_up(src, device, stream)
+        dev = _copy_up(total, device, stream, lambda: src)
         ev = None
     else:
         with ring.lock:
             base = ring.alloc(total)
-            _pack(ring.np, base, hosts, offsets)
-            dev = _copy_up(ring.buf[base:base + total], device, stream)
+            calls = driver_calls()
+            if calls is None or not _pack_compiled(calls, ring.ptr + base, hosts, offsets):
+                _pack(ring.np, base, hosts, offsets)
+            dev = _copy_up(total, device, stream, lambda: ring.buf[base:base + total],
+                           raw=None if calls is None else (calls, ring.ptr + base))
             ev = torch.cuda.Event()
             ev.record(stream)
             ring.pending.append((base, base + total, ev))
@@ -157,11 +162,32 @@ def _pack(dst: np.ndarray, base: int, hosts: Sequence[np.ndarray], offsets: Sequ
             dst[base + off:base + off + h.nbytes] = h.reshape(-1).view(np.uint8)
 
 
-def _copy_up(src: torch.Tensor, device: torch.device, stream: "torch.cuda.Stream") -> torch.Tensor:
-    """A device byte buffer allocated on ``stream`` and filled from pinned ``src`` there."""
+def _pack_compiled(calls: Any, dst: int, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> bool:
+    """:func:`_pack` to the host address ``dst`` by :func:`stpipe._calls.pack` (GIL
+    released for the copies); False when an array does not export a C-contiguous buffer
+    (nothing is copied then)."""
+    try:
+        calls.pack(dst, hosts, offsets)
+    except (ValueError, BufferError):
+        return False
+    return True
+
+
+def _copy_up(nbytes: int, device: torch.device, stream: "torch.cuda.Stream",
+             src: Callable[[], torch.Tensor], raw: Optional[Tuple[Any, int]] = None) -> torch.Tensor:
+    """A device byte buffer of ``nbytes`` allocated on ``stream`` and filled there from
+    the pinned bytes ``src()`` (called only when ``copy_`` does the copy).
+
+    ``raw``: ``(calls, address of src)`` to copy with the driver's
+    ``cuMemcpyHtoDAsync`` (:mod:`stpipe._calls`, GIL released) instead of ``copy_``, for
+    memory whose reuse the caller guards with its own events (the ring); PyTorch's
+    ``copy_`` also records an event for its caching host allocator. ``copy_`` is the
+    fallback if the driver refuses.
+    """
     with on_stream(stream):
-        dev = torch.empty(src.shape[0], dtype=torch.uint8, device=device)
-        dev.copy_(src, non_blocking=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if raw is None or raw[0].htod(dev.data_ptr(), raw[1], nbytes, stream.cuda_stream) != 0:
+            dev.copy_(src(), non_blocking=True)
     return dev
 
 

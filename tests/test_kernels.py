@@ -160,9 +160,11 @@ def test_upload_on_cpu_shares_memory():
     assert t.data_ptr() == a.ctypes.data
 
 
-def test_upload_ring_layout_round_trips():
+@pytest.mark.parametrize("packer", ["numpy", "compiled"])
+def test_upload_ring_layout_round_trips(packer):
     """The ring's packing and typed views (device-independent byte logic, here on a CPU
-    byte buffer): every dtype, shape and size comes back exact, at aligned offsets."""
+    byte buffer): every dtype, shape and size comes back exact, at aligned offsets, from
+    the numpy packer and from its compiled twin (:func:`stpipe._calls.pack`)."""
     from stpipe import _staging
 
     rng = np.random.default_rng(0)
@@ -180,13 +182,45 @@ def test_upload_ring_layout_round_trips():
     for h in hosts:
         offsets.append(total)
         total += -(-h.nbytes // _staging._ALIGN) * _staging._ALIGN
-    buf = np.zeros(max(total, _staging._ALIGN), dtype=np.uint8)
-    _staging._pack(buf, 0, hosts, offsets)
-    views = _staging._views(torch.from_numpy(buf), hosts, offsets)
+    buf = np.zeros(max(total, _staging._ALIGN) + 64, dtype=np.uint8)
+    if packer == "numpy":
+        _staging._pack(buf, 64, hosts, offsets)
+    else:
+        calls = pytest.importorskip("stpipe._calls")
+        assert _staging._pack_compiled(calls, buf.ctypes.data + 64, hosts, offsets)
+    assert not buf[:64].any()  # nothing written before the region
+    views = _staging._views(torch.from_numpy(buf[64:]), hosts, offsets)
     for h, v in zip(hosts, views):
         assert tuple(v.shape) == h.shape
         assert v.dtype == torch.from_numpy(np.empty(0, h.dtype)).dtype
         np.testing.assert_array_equal(v.numpy(), h)
+
+
+def test_compiled_calls_checks_and_unbound_driver():
+    """stpipe._calls: pack copies exactly the bytes asked and refuses what it cannot copy
+    (the packer then falls back to numpy); the driver calls report -1 when unbound."""
+    calls = pytest.importorskip("stpipe._calls")
+    from stpipe import _staging
+
+    dst = np.zeros(32, dtype=np.uint8)
+    assert calls.pack(dst.ctypes.data, [np.array([1, 2], dtype=np.int16), b"ab"], [4, 10]) == 6
+    assert dst.tolist()[:12] == [0, 0, 0, 0, 1, 0, 2, 0, 0, 0, 97, 98]
+    assert calls.pack(dst.ctypes.data, [], []) == 0
+    with pytest.raises(ValueError, match="one offset per array"):
+        calls.pack(dst.ctypes.data, [dst], [])
+    with pytest.raises(ValueError, match="offsets must be >= 0"):
+        calls.pack(dst.ctypes.data, [dst[:2]], [-1])
+    strided = np.arange(8, dtype=np.int64)[::2]
+    before = dst.copy()
+    assert not _staging._pack_compiled(calls, dst.ctypes.data, [dst[:1], strided], [0, 8])
+    assert np.array_equal(dst, before)  # nothing copied when one array is refused
+    with pytest.raises(ValueError, match="at most 16"):
+        calls.launch(0, 1, 1, 1, 0, list(range(17)))
+    with pytest.raises(OverflowError):
+        calls.launch(0, 1, 1, 1, 0, [-1])
+    if not calls.bound():  # CPU machines: never bound (no libcuda)
+        assert calls.launch(0, 1, 1, 1, 0, [1, 2]) == -1
+        assert calls.htod(0, 0, 0, 0) == -1
 
 
 def test_gather_many_on_cpu_matches_index_select():

@@ -240,9 +240,16 @@ def test_gather_scatter_many_bit_exact(backend, dtype, dim, ntables):
             t.close()
 
 
-def test_upload_ring_is_asynchronous_and_exact():
-    """Packed uploads through the pinned ring arrive intact, in order, across wraps."""
-    from stpipe import _staging
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_upload_ring_is_asynchronous_and_exact(path, monkeypatch):
+    """Packed uploads through the pinned ring arrive intact, in order, across wraps: packed
+    and copied by stpipe._calls (nogil memcpy, cuMemcpyHtoDAsync) or by numpy + copy_."""
+    from stpipe import _cuda, _staging
+
+    if path == "torch":
+        monkeypatch.setattr(_staging, "driver_calls", lambda: None)
+    elif _cuda.driver_calls() is None:
+        pytest.skip("stpipe._calls not built or libcuda.so.1 not loadable")
 
     s = torch.cuda.Stream()
     rng = np.random.default_rng(0)
@@ -262,10 +269,11 @@ def test_upload_ring_is_asynchronous_and_exact():
             assert np.array_equal(a.cpu().numpy(), b)
 
 
-@pytest.mark.parametrize("path", ["driver", "cupy-launch"])
+@pytest.mark.parametrize("path", ["compiled", "ctypes", "cupy-launch"])
 def test_cupy_backend_launch_paths(path, monkeypatch):
-    """The CuPy backend launches through cuLaunchKernel (ctypes) when it can and through
-    CuPy's own launch otherwise; both move exactly the rows, single and fused."""
+    """The CuPy backend launches through cuLaunchKernel (stpipe._calls, or its ctypes
+    twin) when it can and through CuPy's own launch otherwise; all move exactly the rows,
+    single and fused."""
     from stpipe.host import gather_many, scatter_many
 
     need("cupy")
@@ -274,6 +282,10 @@ def test_cupy_backend_launch_paths(path, monkeypatch):
         monkeypatch.setattr(be, "_driver", None)
     elif be._driver is None:
         pytest.skip("libcuda.so.1 not loadable by that name")
+    elif path == "ctypes":
+        monkeypatch.setattr(be._driver, "_calls", None)
+    elif be._driver._calls is None:
+        pytest.skip("stpipe._calls not built")
     calls = {"fast": 0}
     real_fast = type(be)._fast
 
@@ -332,3 +344,27 @@ def test_on_stream_switches_and_restores():
         with on_stream(s1):
             raise KeyError("inside")
     assert torch.cuda.current_stream(dev) == before
+
+
+@pytest.mark.parametrize("dtype,dim,planes", [(torch.float32, 128, 3), (torch.float16, 3, 1),
+                                              (torch.bfloat16, 64, 4), (torch.float32, 5, 2)])
+def test_carry_many_bit_exact(dtype, dim, planes):
+    """The pipeline's carry kernel: dst[:, to[j]] = src[:, from[j]] for every plane, exact
+    bits, rows outside ``to`` untouched, on strided plane buffers of two capacities."""
+    need("cupy")
+    be = get_backend("cupy")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src_buf = torch.randn(planes + 1, 700, dim, device="cuda", generator=g).to(dtype)
+    dst_buf = torch.randn(planes + 1, 500, dim, device="cuda", generator=g).to(dtype)
+    src, dst = src_buf[:planes], dst_buf[:planes]
+    rng = np.random.default_rng(1)
+    frm = torch.from_numpy(rng.choice(700, 333, replace=False)).cuda()
+    to = torch.from_numpy(rng.choice(500, 333, replace=False)).cuda()
+    want = dst_buf.clone()
+    want[:planes, to] = src_buf[:planes, frm]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    be.carry_many(src, dst, frm, to, s)
+    be.carry_many(src, dst, frm[:0], to[:0], s)  # nothing to carry: no launch
+    s.synchronize()
+    assert torch.equal(bits(dst_buf), bits(want))

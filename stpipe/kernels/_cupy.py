@@ -154,16 +154,24 @@ class _DriverLaunch:
     def __init__(self) -> None:
         import ctypes
 
+        from .._cuda import driver_calls
+
         lib = ctypes.PyDLL("libcuda.so.1")
         fn = lib.cuLaunchKernel
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         self._fn = fn
         self._ct = ctypes
+        #: the compiled call (:func:`stpipe._calls.launch`: no ctypes objects per
+        #: launch), where the extension is built; the ctypes path is its twin
+        self._calls = driver_calls()
 
     def __call__(self, func: int, grid: Tuple[int, int], block: int, stream: int,
                  values: Sequence[int]) -> int:
         """Launch ``func`` on ``stream`` (a raw handle); returns the CUresult (0: ok)."""
+        calls = self._calls
+        if calls is not None:
+            return calls.launch(func, grid[0], grid[1], block, stream, values)
         ct = self._ct
         n = len(values)
         vals = (ct.c_uint64 * n)(*values)
