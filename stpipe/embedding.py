@@ -221,7 +221,9 @@ class HostEmbedding(nn.Module):
 
     # ------------------------------------------------------------------ binding
     def _bind(self, binding: Optional[_Binding]) -> None:
-        self._binding = binding
+        # a plain attribute (never a parameter, buffer or module): set without
+        # nn.Module.__setattr__'s checks, twice per step and table
+        object.__setattr__(self, "_binding", binding)
 
     # -------------------------------------------------------------- checkpoints
     def host_state_dict(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
@@ -309,7 +311,8 @@ class HostEmbedding(nn.Module):
             return self.lookup(ids)
         for part in b.parts:
             if part.ids is ids or (part.alias is not None and part.alias is ids):
-                return F.embedding(part.inverse, self.weight)
+                # F.embedding without its Python checks (no padding_idx, no max_norm)
+                return torch.embedding(self.weight, part.inverse)
         return F.embedding(self._locate(b, ids), self.weight)
 
     def _locate(self, b: _Binding, ids: Any) -> torch.Tensor:

@@ -1179,14 +1179,14 @@ class Pipeline:
                 slots.ensure(f.slot, k, keys, (cs, compute))  # keys discovered this step
                 cached = None
             rows = cached[0] if cached is not None else slots.rows(f.slot, k)
-            w = emb.weight.data
+            w = emb.weight
             if w.data_ptr() != rows.data_ptr() or w.shape != rows.shape:
                 if w.shape != rows.shape:
                     raise StpipeRuntimeError(
                         f"emb.weight was replaced during step {f.index} by a tensor of shape "
                         f"{tuple(w.shape)}; expected the step's rows {tuple(rows.shape)}"
                     )
-                rows.copy_(w)
+                rows.copy_(w.detach())
             sv = {}
             for key in keys:
                 buf = cached[1][key] if cached is not None else slots.state(f.slot, key, k)
