@@ -120,6 +120,25 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
     if device.type != "cuda":
         views = [torch.from_numpy(h) for h in hosts]
         return (views, None) if event else views
+    dev, offsets, ev = upload_buffer(hosts, device, stream, event=event)
+    views = _views(dev, hosts, offsets)
+    return (views, ev) if event else views
+
+
+def upload_buffer(hosts: Sequence[np.ndarray], device: torch.device,
+                  stream: "torch.cuda.Stream | None" = None, *, event: bool = False):
+    """:func:`upload` without the views, for callers that want views of some arrays
+    only (each costs torch calls) and device addresses for the others.
+
+    Args:
+        hosts: C-contiguous numpy arrays (see :func:`_as_numpy`).
+        device: a CUDA device.
+
+    Returns:
+        ``(dev, offsets, event)``: the uint8 device buffer (allocated on ``stream``),
+        each array's byte offset in it (:func:`_views` makes tensors of them) and the
+        event behind the copy (``None`` unless ``event``).
+    """
     offsets, total = [], 0
     for h in hosts:
         offsets.append(total)
@@ -146,13 +165,10 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
             ev = torch.cuda.Event()
             ev.record(stream)
             ring.pending.append((base, base + total, ev))
-    views = _views(dev, hosts, offsets)
-    if not event:
-        return views
-    if ev is None:
+    if event and ev is None:
         ev = torch.cuda.Event()
         ev.record(stream)
-    return views, ev
+    return dev, offsets, (ev if event else None)
 
 
 def _pack(dst: np.ndarray, base: int, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import queue
 import threading
 import time
@@ -104,7 +105,9 @@ import torch
 
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
+from ._staging import _as_numpy, _views
 from ._staging import upload as _upload
+from ._staging import upload_buffer as _upload_buffer
 from ._streams import current_stream, on_stream
 from .host import _finish
 from .host import gather_many as _gather_many
@@ -131,6 +134,25 @@ def _is_parts(x: Any) -> bool:
     )
 
 
+class _DevIds:
+    """int64 ids uploaded with a batch: their device address and count for the fused
+    kernels, and a tensor view made only when a fallback path asks (:meth:`tensor`),
+    since each view costs torch calls in the prefetch thread."""
+
+    __slots__ = ("ptr", "n", "_dev", "_host", "_off", "_t")
+
+    def __init__(self, n: int, t: Optional[torch.Tensor] = None, dev: Optional[torch.Tensor] = None,
+                 host: Optional[np.ndarray] = None, off: int = 0) -> None:
+        self.n = n
+        self._t, self._dev, self._host, self._off = t, dev, host, off
+        self.ptr = t.data_ptr() if t is not None else dev.data_ptr() + off
+
+    def tensor(self) -> torch.Tensor:
+        if self._t is None:
+            self._t = _views(self._dev, [self._host], [self._off])[0]
+        return self._t
+
+
 @dataclass
 class _TableFlight:
     """One table's part of a batch in flight."""
@@ -142,6 +164,8 @@ class _TableFlight:
     aliases: List[Any] = field(default_factory=list)  # each part's copy in the moved batch (or None)
     keys: Tuple[str, ...] = ()  # state keys gathered into the slot
     _rows: Optional[IndexBatch] = field(default=None, repr=False)
+    #: ``plan.unique`` on the device (CUDA runs; uploaded with the batch)
+    dev_rows: Optional[_DevIds] = field(default=None, repr=False)
     #: the slot's views installed at step entry: rows and ``{key: state}`` (reused by the
     #: write-back unless the slot was re-made for keys discovered during the step)
     views: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = field(default=None, repr=False)
@@ -170,7 +194,7 @@ class _Flight:
         self.tables: Dict[Any, _TableFlight] = {}
         self.slot: int = -1
         self.ready = None  # torch.cuda.Event on the copy stream
-        self.overlaps: Dict[int, Dict[Any, Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.overlaps: Dict[int, Dict[Any, Tuple[_DevIds, _DevIds]]] = {}
         self.plan_s = 0.0
         # the batch as the iterable gave it (kept alive until the step ends) and, when it
         # was moved to the device, the copies made and the event after them (copy stream)
@@ -875,30 +899,46 @@ class Pipeline:
 
             _map_tensors(collect, flight.source)
             arrays.extend(moved)
-        outs, event = _upload(arrays, self.device, self._copy_stream, event=True)
+        if self._cuda:
+            # views only of what is used as a tensor (inverses, moved batch tensors); the
+            # unique ids and overlaps go to the fused kernels by address
+            hosts = [_as_numpy(a) for a in arrays]
+            dev, offsets, event = _upload_buffer(hosts, self.device, self._copy_stream, event=True)
+            want = [i for i in range(len(hosts)) if (i < n_tab and i % 2 == 0) or i >= n_idx]
+            outs: List[Any] = [None] * len(hosts)
+            for i, v in zip(want, _views(dev, [hosts[i] for i in want], [offsets[i] for i in want])):
+                outs[i] = v
+            for i in range(len(hosts)):
+                if outs[i] is None:
+                    outs[i] = _DevIds(int(hosts[i].shape[0]), dev=dev, host=hosts[i], off=offsets[i])
+        else:
+            dev = None
+            outs, event = _upload(arrays, self.device, self._copy_stream, event=True)
+            for i in range(1, n_idx):
+                if i >= n_tab or i % 2 == 1:
+                    outs[i] = _DevIds(int(outs[i].shape[0]), t=outs[i])
         for i, (j, name, _, _) in enumerate(pending):
             flight.overlaps.setdefault(j, {})[name] = (outs[n_tab + 2 * i], outs[n_tab + 2 * i + 1])
         for i, tf in enumerate(flight.tables.values()):
             inv = outs[2 * i]
-            if self._cuda:
-                tf.rows.device_ids = outs[2 * i + 1]
+            tf.dev_rows = outs[2 * i + 1]
             if tf.single:
                 tf.part_inverse = [inv.view(tf.plan.inverse.shape)]
             else:
                 out, start = [], 0
                 for shape in tf._shapes:  # type: ignore[attr-defined]
-                    n = int(np.prod(shape, dtype=np.int64))
+                    n = math.prod(shape)
                     out.append(inv[start:start + n].view(shape))
                     start += n
                 tf.part_inverse = out
         if not (self._cuda and self._to_device):
             if self._cuda:
-                flight.dev_bufs.append(outs[0])  # recorded on the compute stream at entry
+                flight.dev_bufs.append(dev)  # recorded on the compute stream at entry
             for tf in flight.tables.values():
                 tf.aliases = [None] * len(tf.parts)
             return
         done: Dict[int, torch.Tensor] = {id(t): o for t, o in zip(moved, outs[n_idx:])}
-        copies: List[torch.Tensor] = [outs[0]]  # claimed (recorded) with the batch at entry
+        copies: List[torch.Tensor] = [dev]  # claimed (recorded) with the batch at entry
         alias: Dict[int, torch.Tensor] = {}
         device = self.device
 
@@ -1016,14 +1056,22 @@ class Pipeline:
             tables = ([emb.table] + [rs.tables[key] for key in stacked])[lo:]
             move = slots.move(slot, "gather", lo, tables) if self._cuda else None
             if move is not None:
-                move(tf.rows.device_ids.data_ptr(), k, self._copy_stream, pending)
+                move(tf.dev_rows.ptr, k, self._copy_stream, pending)
             else:
+                self._rows_on_device(tf)
                 planes = slots.stack[slot][lo:1 + len(stacked), :k]
                 _gather_many(tables, tf.rows, planes, stream=self._copy_stream, pending=pending)
         for key in keys:
             if key not in stacked:
+                self._rows_on_device(tf)
                 out = slots.state(slot, key, k)
                 rs.tables[key].gather(tf.rows, out=out, stream=self._copy_stream)
+
+    def _rows_on_device(self, tf: _TableFlight) -> None:
+        """Give ``tf.rows`` its uploaded device ids (a view, made only for the paths
+        that take an IndexBatch instead of an address)."""
+        if self._cuda and tf.rows.device_ids is None and tf.dev_rows is not None:
+            tf.rows.device_ids = tf.dev_rows.tensor()
 
     def _drop(self, flight: _Flight, run: _Run) -> None:
         """Forget a batch that will not be trained (never entered)."""
@@ -1211,7 +1259,7 @@ class Pipeline:
                     for g, ov in carries:
                         for name, (pp, np_) in ov.items():
                             self._carry(name, f, g, pp, np_)
-                            self.stats["rows_carried"] += int(pp.shape[0])
+                            self.stats["rows_carried"] += pp.n
                         if self._cuda:
                             g.ready = torch.cuda.Event()
                             g.ready.record(cs)
@@ -1226,18 +1274,20 @@ class Pipeline:
                 tables = [emb.table] + [emb.row_state.tables[key] for key in stacked]
                 move = slots.move(f.slot, "scatter", 0, tables) if self._cuda else None
                 if move is not None:
-                    move(tf.rows.device_ids.data_ptr(), tf.k, cs, pending)
+                    move(tf.dev_rows.ptr, tf.k, cs, pending)
                 else:
+                    self._rows_on_device(tf)
                     planes = slots.stack[f.slot][: len(tables), : tf.k]
                     _scatter_many(tables, tf.rows, planes, stream=cs, pending=pending)
                 for key, buf in sv.items():
                     if key not in stacked:
+                        self._rows_on_device(tf)
                         emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
             if pending:
                 _finish(pending, cs)
             self._inflight.pop(f.index, None)
 
-    def _carry(self, name: Any, f: _Flight, g: _Flight, pp: torch.Tensor, np_: torch.Tensor) -> None:
+    def _carry(self, name: Any, f: _Flight, g: _Flight, pp: _DevIds, np_: _DevIds) -> None:
         """Copy the rows (and state) batch ``g`` shares with ``f`` from ``f``'s slot into
         ``g``'s: ``g[np_] = f[pp]`` for the planes both hold (issue lock held; stream: the
         copy stream, after ``f``'s compute)."""
@@ -1249,16 +1299,18 @@ class Pipeline:
         m = 0
         while m < min(len(sf), len(sg)) and sf[m] == sg[m]:
             m += 1
-        src, dst = slots.stack[f.slot][: 1 + m], slots.stack[g.slot][: 1 + m]
+        src, dst = slots.stack[f.slot], slots.stack[g.slot]
         carrier = _cupy_backend() if self._cuda else None
         if carrier is not None and src.shape[2] * src.element_size() % 2 == 0:
-            carrier.carry_many(src, dst, pp, np_, self._copy_stream)  # one launch, all planes
+            # one launch for all 1 + m planes
+            carrier.carry_many(src, dst, 1 + m, pp.ptr, np_.ptr, pp.n, self._copy_stream)
         else:
-            dst.index_copy_(1, np_, src[:, : ftf.k].index_select(1, pp))
+            pt, nt = pp.tensor(), np_.tensor()
+            dst[: 1 + m].index_copy_(1, nt, src[: 1 + m, : ftf.k].index_select(1, pt))
         for key in keys:
             if key not in sf[:m]:
                 d = slots.state(g.slot, key, gtf.k)
-                d.index_copy_(0, np_, slots.state(f.slot, key, ftf.k).index_select(0, pp))
+                d.index_copy_(0, np_.tensor(), slots.state(f.slot, key, ftf.k).index_select(0, pp.tensor()))
 
 
 def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:

@@ -123,13 +123,18 @@ def as_index_array(ids: Any) -> np.ndarray:
         StpipeIndexError: unsigned ids that do not fit in int64.
     """
     if hasattr(ids, "detach") and hasattr(ids, "dtype") and hasattr(ids, "cpu"):
-        import torch
+        try:  # the usual CPU integer tensor: one call (each torch call may hand the GIL over)
+            arr = ids.numpy()
+        except (RuntimeError, TypeError):  # on a GPU, requires grad, no numpy dtype
+            arr = None
+        if arr is None or arr.dtype.kind not in "iu":
+            import torch
 
-        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise StpipeTypeError(
-                f"row ids must be an integer tensor (int32 or int64), got dtype {ids.dtype}"
-            )
-        arr = ids.detach().cpu().numpy()
+            if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+                raise StpipeTypeError(
+                    f"row ids must be an integer tensor (int32 or int64), got dtype {ids.dtype}"
+                )
+            arr = ids.detach().cpu().numpy()
     elif isinstance(ids, np.ndarray):
         arr = ids
     else:

@@ -402,17 +402,18 @@ class CupyBackend:
         prepared = self.prepare_many(op, tables, planes)
         prepared(ids.on_device(planes.device, stream).data_ptr(), n, stream)
 
-    def carry_many(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
-                   dst_rows: torch.Tensor, stream: "torch.cuda.Stream") -> None:
-        """``dst[:, dst_rows[j]] = src[:, src_rows[j]]`` for every plane, in one launch.
+    def carry_many(self, src: torch.Tensor, dst: torch.Tensor, planes: int, src_rows: int,
+                   dst_rows: int, n: int, stream: "torch.cuda.Stream") -> None:
+        """``dst[g, dst_rows[j]] = src[g, src_rows[j]]`` for planes ``g < planes`` and
+        ``j < n``, in one launch.
 
-        ``src`` and ``dst`` are ``(G, cap, dim)`` device buffers of one dtype (any
-        ``G <= 65535``; rows contiguous, planes may be strided) that do not overlap;
-        ``src_rows``/``dst_rows`` are int64 device tensors of one length. Stream: the
-        launch runs on ``stream``; the caller orders it after the producers of all four.
+        ``src`` and ``dst`` are ``(G, cap, dim)`` device buffers of one dtype with at
+        least ``planes`` planes (rows contiguous, planes may be strided; capacities may
+        differ) that do not overlap; ``src_rows``/``dst_rows`` are the device addresses of
+        ``n`` int64 row indices each. Stream: the launch runs on ``stream``; the caller
+        orders it after the producers of all four and keeps them alive until it has run.
         """
-        n = int(src_rows.shape[0])
-        if n == 0:
+        if n <= 0 or planes <= 0:
             return
         index = src.device.index
         isz = src.element_size()
@@ -422,9 +423,9 @@ class CupyBackend:
         words = rb // word
         total = n * words
         blocks, threads = launch_shape(total, self._sms_of(index, "carry_many", word))
-        self._run(index, "carry_many", word, (blocks, int(src.shape[0])), threads, stream,
-                  (src.data_ptr(), dst.data_ptr(), src_rows.data_ptr(), dst_rows.data_ptr(),
-                   sp // word, dp // word, total, words), pointers=4)
+        self._run(index, "carry_many", word, (blocks, planes), threads, stream,
+                  (src.data_ptr(), dst.data_ptr(), src_rows, dst_rows, sp // word, dp // word,
+                   total, words), pointers=4)
 
     def gather_many(self, tables: Sequence[torch.Tensor], ids: IndexBatch, out: torch.Tensor,
                     stream: "torch.cuda.Stream") -> None:
