@@ -237,3 +237,57 @@ def test_gather_many_on_cpu_matches_index_select():
         assert (t.tensor()[ids] == 1).all() and (t.tensor()[0] != 1).any()
     with pytest.raises(ValueError, match="expected a"):
         gather_many(tabs, ids, torch.zeros(2, 3, 4))
+
+
+def test_prepared_move_orders_after_other_streams_then_launches():
+    """host._PreparedMove (the pipeline's per-slot fused move), with a fake mover and
+    stream: each table's conflicting event on another stream is waited on before the one
+    launch, the bookkeeping goes to ``pending``, a closed table raises before anything."""
+    from stpipe import StpipeRuntimeError
+    from stpipe.host import HostTable, _PreparedMove
+
+    log = []
+
+    class Mover:
+        needs_pinned, uses_cpu = True, False
+
+        def prepare_many(self, op, datas, planes):
+            log.append(("prepare", op, len(datas), tuple(planes.shape)))
+            return lambda ptr, n, stream: log.append(("launch", ptr, n))
+
+    class Stream:
+        cuda_stream = 7
+
+        def wait_event(self, ev):
+            log.append(("wait", ev))
+
+    class Ev:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            pass
+
+        def __repr__(self):
+            return self.name
+
+    other, same = Ev("ev-other"), Ev("ev-same")
+    tabs = [HostTable(20, 4) for _ in range(3)]
+    try:
+        planes = torch.zeros(3, 10, 4)
+        mover = Mover()
+        move = _PreparedMove("scatter", tabs, planes, mover)
+        assert log == [("prepare", "scatter", 3, (3, 10, 4))] and move.write
+        tabs[1]._write_event = (other, 99)  # written on another stream: waited on
+        tabs[2]._read_events = {7: same}    # read on this stream: ordered already
+        pending = []
+        move(4096, 6, Stream(), pending)
+        assert log[1:] == [("wait", other), ("launch", 4096, 6)]
+        assert pending == [(mover, tabs, True)]
+        tabs[0].close()
+        with pytest.raises(StpipeRuntimeError):
+            move(4096, 6, Stream(), [])
+        assert log[-1] == ("launch", 4096, 6) and len(log) == 3
+    finally:
+        for t in tabs:
+            t.close()

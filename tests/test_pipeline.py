@@ -576,3 +576,34 @@ def test_step_repr_and_attributes():
                 assert step.plans[None].unique.tolist() == [1, 2, 3]
                 assert emb.weight.shape == (3, DIM)
                 assert emb(step.batch["ids"]).shape == (2, 2, DIM)
+
+
+def test_slot_moves_are_cached_per_stack_and_table_set(monkeypatch):
+    """_Slots.move prepares a fused move once per (op, first plane, planes) for the slot's
+    current stack and table objects; a new stack (ensure) or other tables prepare again."""
+    made = []
+
+    def fake_prepare(op, tables, planes):
+        made.append((op, [id(t) for t in tables], planes.data_ptr(), tuple(planes.shape)))
+        return ("move", len(made))
+
+    monkeypatch.setattr(pipeline_mod, "_prepare_move", fake_prepare)
+    emb = make_emb()
+    slots = pipeline_mod._Slots(emb, 2)
+    slots.ensure(0, 5, (), (None,))
+    slots.ensure(1, 5, (), (None,))
+    a = slots.move(0, "gather", 0, [emb.table])
+    assert a == ("move", 1) and slots.move(0, "gather", 0, [emb.table]) is a
+    assert made[0][2] == slots.stack[0].data_ptr() and made[0][3][0] == 1
+    assert slots.move(0, "scatter", 0, [emb.table]) == ("move", 2)  # per op
+    assert slots.move(1, "gather", 0, [emb.table]) == ("move", 3)  # per slot
+    assert made[2][2] == slots.stack[1].data_ptr()
+    other = make_emb(seed=2)
+    assert slots.move(0, "gather", 0, [other.table]) == ("move", 4)  # other table object
+    assert slots.move(0, "gather", 0, [emb.table]) == ("move", 5)  # replaced the entry
+    old = slots.stack[0]
+    slots.ensure(0, 10 * old.shape[1], (), (None,))  # grows: a new stack
+    assert slots.stack[0] is not old and not slots.moves[0]
+    assert slots.move(0, "gather", 0, [emb.table]) == ("move", 6)
+    assert made[-1][2] == slots.stack[0].data_ptr()
+    other.table.close()
