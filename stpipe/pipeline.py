@@ -33,8 +33,11 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    stream, records ``j.ready`` there (one event, also the tables' read event), and adds
    ``j`` to the in-flight set. A slot holds a
    table's rows and state as one ``(1 + keys, cap, dim)`` stack, so one fused UVA launch
-   (:func:`stpipe.host.gather_many`) gathers them all, and one ``index_select`` /
-   ``index_copy_`` pair does a fix-up (5a).
+   gathers them all (a move prepared once per slot stack, :func:`stpipe.host._prepare_move`;
+   :func:`stpipe.host.gather_many` where CuPy cannot run), and one launch of the carry
+   kernel (else an ``index_select`` / ``index_copy_`` pair) does a fix-up (5a). Unique ids
+   and overlaps reach those kernels by device address; only the inverses and the batch's
+   tensors get tensor views.
 4. The training thread, entering step ``j``, makes its current (compute) stream wait for
    ``j.ready`` (no host synchronisation), points ``emb.weight.data`` and
    ``optimizer.state[weight][key]`` at views ``buf[:k]`` of the slot, and runs the user's
@@ -245,8 +248,8 @@ class _Slots:
 
     Layout per slot: one *stack* ``(1 + m, cap, dim)`` of the rows' dtype, plane 0 the
     rows and planes ``1..m`` the state keys of that dtype (``stacked``, in discovery
-    order), so one fused kernel gathers or scatters them all and a fix-up is one
-    ``index_select`` + ``index_copy_`` along dim 1. A state key of another dtype (none in
+    order), so one fused kernel gathers or scatters them all and a fix-up is one carry
+    launch (or ``index_select`` + ``index_copy_`` along dim 1). A state key of another dtype (none in
     ``torch.optim`` today) gets its own ``(cap, dim)`` buffer in ``extra``.
     """
 
@@ -268,12 +271,6 @@ class _Slots:
         if key in keys:
             return self.stack[slot][1 + keys.index(key), :k]
         return self.extra[slot][key][:k]
-
-    def group(self, slot: int, k: int, keys: Iterable[str]) -> Tuple[List[str], torch.Tensor]:
-        """The stacked keys among ``keys`` (a prefix of the stack) and their planes
-        ``(1 + m, k, dim)``, the rows first: what one fused call moves."""
-        stacked = self.stacked_among(slot, keys)
-        return stacked, self.stack[slot][: 1 + len(stacked), :k]
 
     def stacked_among(self, slot: int, keys: Iterable[str]) -> List[str]:
         """The stacked keys among ``keys``, in stack order (a prefix of the stack)."""
