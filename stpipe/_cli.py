@@ -98,6 +98,19 @@ def fmt_bytes(n: Optional[float]) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+def _launch_report() -> str:
+    """How the CuPy backend and the upload ring call the CUDA driver (stpipe._calls)."""
+    try:
+        from stpipe import _calls  # noqa: F401
+    except ImportError:
+        return "ctypes and torch copies (stpipe._calls is not built: reinstall to compile it)"
+    from stpipe._cuda import driver_calls
+
+    if driver_calls() is None:
+        return "compiled stpipe._calls built; not bound (no libcuda.so.1, or STPIPE_DRIVER_CALLS=0)"
+    return "compiled (stpipe._calls bound to libcuda.so.1)"
+
+
 def _backend_report() -> List[Tuple[str, str]]:
     """``[(name, status)]`` for each transfer backend; never raises."""
     try:
@@ -164,6 +177,7 @@ def info_lines() -> List[str]:
     except Exception as exc:
         impl = f"error: {_one_line(exc)}"
     lines.append(f"planner     {impl}")
+    lines.append(f"launches    {_launch_report()}")
     for name, status in _backend_report():
         lines.append(f"backend     {name}: {status}")
     avail = available_ram()

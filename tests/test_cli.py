@@ -26,6 +26,7 @@ def test_info_prints_versions_cuda_planner_backends_and_memory():
         assert key in out, f"{key!r} missing from info output:\n{out}"
     import stpipe.planner
     assert f"planner     {stpipe.planner.implementation()}" in out
+    assert "launches    " in out and ("compiled" in out or "ctypes" in out)
 
 
 def test_info_does_not_import_cupy_or_numba_at_import_stpipe():
