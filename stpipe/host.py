@@ -868,8 +868,8 @@ def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tenso
         )
     if n == 0:
         return
-    mover = _fused_mover(tables)
-    if mover is None or planes.stride(2) != 1 or planes.stride(1) != t0.dim:
+    move = _prepare_move(op, tables, planes)
+    if move is None:  # no fused kernel for these tables or this layout: table by table
         for g, t in enumerate(tables):
             if op == "gather":
                 out = planes[g]
@@ -883,7 +883,6 @@ def _move_many(op: str, tables: "List[HostTable]", ids: Any, planes: torch.Tenso
     s = t0._stream(stream)
     if op == "scatter":
         planes.record_stream(s)
-    move = _PreparedMove(op, tables, planes, mover)
     move(batch.on_device(planes.device, s).data_ptr(), n, s, pending)
 
 

@@ -111,6 +111,16 @@ def _check_num_rows(num_rows: Any) -> int:
     return num_rows
 
 
+def _check_tensor_dtype(t: Any) -> None:
+    """Raise StpipeTypeError for a torch tensor of bool, floating or complex ids."""
+    import torch
+
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise StpipeTypeError(
+            f"row ids must be an integer tensor (int32 or int64), got dtype {t.dtype}"
+        )
+
+
 def as_index_array(ids: Any) -> np.ndarray:
     """Turn ids into a C-contiguous int32 or int64 numpy array of the same shape.
 
@@ -128,12 +138,7 @@ def as_index_array(ids: Any) -> np.ndarray:
         except (RuntimeError, TypeError):  # on a GPU, requires grad, no numpy dtype
             arr = None
         if arr is None or arr.dtype.kind not in "iu":
-            import torch
-
-            if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-                raise StpipeTypeError(
-                    f"row ids must be an integer tensor (int32 or int64), got dtype {ids.dtype}"
-                )
+            _check_tensor_dtype(ids)
             arr = ids.detach().cpu().numpy()
     elif isinstance(ids, np.ndarray):
         arr = ids

@@ -83,7 +83,7 @@ from .._errors import (
     StpipeValueError,
 )
 from ..kernels import IndexBatch
-from ..planner import as_index_array, check_ids, first_repeat, plan
+from ..planner import _check_tensor_dtype, as_index_array, check_ids, first_repeat, plan
 
 __all__ = [
     "ModelFactory",
@@ -1383,8 +1383,7 @@ def _device_ids(indexes: Any, num_rows: int) -> Optional[torch.Tensor]:
         t = torch.as_tensor(indexes)  # zero-copy view of the CuPy (or other) array
     else:
         return None
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise StpipeTypeError(f"row ids must be an integer tensor (int32 or int64), got dtype {t.dtype}")
+    _check_tensor_dtype(t)
     t = t.to(torch.int64)
     flat = t.reshape(-1)
     if flat.numel():
