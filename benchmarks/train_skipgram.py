@@ -9,9 +9,15 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * ``naive_host``: tables and Adam state as ordinary CPU tensors; per step ``torch.unique``,
   ``t[uniq].to(dev)`` for rows and state, Adam on the rows, ``t[uniq] = x.cpu()`` back;
 * ``speedtorch_sgd``: SpeedTorch 0.1.6 ``ModelFactory(CPUPinn=True)`` switchers (when
-  ``import SpeedTorch`` works) with plain SGD, because its ``OptimizerFactory`` fails on
-  current PyTorch (its ``step`` state is a Python int); so it moves no optimizer state and
-  is not the same workload (less data per step);
+  ``import SpeedTorch`` works) with plain SGD: it moves no optimizer state, so it is a
+  lighter workload than every other row (less data per step);
+* ``speedtorch_adam``: the same workload as the other rows: SpeedTorch's ``ModelFactory``
+  switchers for the tables plus its ``OptimizerFactory(CPUPinn=True)`` switchers for Adam's
+  ``exp_avg``/``exp_avg_sq``. SpeedTorch 0.1.6 fails on current PyTorch because its
+  ``OptimizerFactory`` seeds ``state['step'] = 0`` (a Python int; PyTorch >= 1.12's Adam
+  wants a tensor). The one change made to it: after the factories are built, each
+  parameter's ``step`` is replaced by ``torch.tensor(0.0)``, which is what Adam itself
+  would have created. Everything else (its syncs, CuPy fancy indexing, no dedup) is as shipped;
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
   N computes);
@@ -217,7 +223,16 @@ def run_naive(args, dev, batches):
     return res
 
 
-def run_speedtorch(args, dev, batches):
+def speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
+    """Make SpeedTorch 0.1.6's ``OptimizerFactory`` state usable on PyTorch 2.x: it seeds
+    ``state['step'] = 0`` (a Python int) and torch's Adam needs a tensor there. Replace each
+    int step by ``torch.tensor(float(step))``, what Adam's own state init creates."""
+    for st in opt.state.values():
+        if isinstance(st.get("step"), int):
+            st["step"] = torch.tensor(float(st["step"]))
+
+
+def run_speedtorch(args, dev, batches, adam: bool = False):
     try:
         import SpeedTorch  # noqa: N813
     except Exception as exc:  # not installed, or CuPy missing/broken
@@ -239,27 +254,46 @@ def run_speedtorch(args, dev, batches):
     u_sw.uniformDistributionInit(-0.5 / DIM, 0.5 / DIM)
     v_sw = SpeedTorch.ModelFactory(model.v_embeddings, total_classes=args.rows, embed_dimension=DIM, CPUPinn=True)
     v_sw.zerosInit()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    u_sws, v_sws = [u_sw], [v_sw]
+    if adam:
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        u_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "u_embeddings", CPUPinn=True)
+        v_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "v_embeddings", CPUPinn=True)
+        speedtorch_step_fix(opt)
+        u_opt.optInit()
+        v_opt.optInit()
+        u_sws.append(u_opt)
+        v_sws.append(v_opt)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pos_d, neg_d = v_sw.variableTransformer(BATCH, POS, NEG)
     pos_d, neg_d = torch.as_tensor(pos_d, device=dev).long(), torch.as_tensor(neg_d, device=dev).long()
     u_d = torch.arange(BATCH, device=dev)
     nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
 
     def step(b):
-        u_sw.beforeForwardPass(b["centre"])
-        v_sw.beforeForwardPass(b["pos"], b["neg"])
+        for s in u_sws:
+            s.beforeForwardPass(b["centre"])
+        for s in v_sws:
+            s.beforeForwardPass(b["pos"], b["neg"])
         loss = model(u_d, pos_d, neg_d)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        u_sw.afterOptimizerStep(b["centre"])
-        v_sw.afterOptimizerStep(b["pos"], b["neg"])
+        for s in u_sws:
+            s.afterOptimizerStep(b["centre"])
+        for s in v_sws:
+            s.afterOptimizerStep(b["pos"], b["neg"])
         return loss
 
     res = timed(dev, args.warmup, nb, step)
-    res.update(gpu_mem(dev), host_rss_gb=rss_gb(),
-               note="SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: its OptimizerFactory fails on "
-                    "current PyTorch, so no optimizer state moves (lighter workload); no dedup")
+    if adam:
+        note = ("SpeedTorch 0.1.6 ModelFactory + OptimizerFactory (CPUPinn=True), Adam lr 1e-3; its int "
+                "'step' state replaced by a tensor (the one change); no dedup")
+    else:
+        note = ("SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: no optimizer state moves "
+                "(lighter workload); no dedup")
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note=note)
     return res
 
 
@@ -419,7 +453,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="100k rows, 20 steps (runs on CPU too)")
     ap.add_argument("--out", default=None, help="directory for train_skipgram.json and .log")
-    ap.add_argument("--methods", default="gpu_sparse_adam,naive_host,speedtorch_sgd,stpipe_depth0,stpipe_depth1,profile")
+    ap.add_argument("--methods", default="gpu_sparse_adam,naive_host,speedtorch_sgd,speedtorch_adam,"
+                    "stpipe_depth0,stpipe_depth1,profile")
     ap.add_argument("--backend", default=None, help="stpipe HostTable backend (default: auto)")
     ap.add_argument("--trace", default=None, help="method 'trace' writes torch.profiler / cProfile tables here")
     args = ap.parse_args(argv)
@@ -456,8 +491,8 @@ def main(argv=None) -> int:
                 results[m] = run_ceiling(args, dev, batches)
             elif m == "naive_host":
                 results[m] = run_naive(args, dev, batches)
-            elif m == "speedtorch_sgd":
-                results[m] = run_speedtorch(args, dev, batches)
+            elif m in ("speedtorch_sgd", "speedtorch_adam"):
+                results[m] = run_speedtorch(args, dev, batches, adam=(m == "speedtorch_adam"))
             elif m in ("compute_only", "compute_only_fused"):
                 results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
             elif m == "stpipe_depth1_switch":
@@ -498,7 +533,7 @@ def main(argv=None) -> int:
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
         log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
-        if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd"):
+        if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd", "speedtorch_adam"):
             gc.collect()
     ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")
     for r in results.values():
@@ -514,6 +549,15 @@ def main(argv=None) -> int:
         log(f"{name:<24}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r.get('ratio_to_ceiling', float('nan')):>11.2f}"
             f"{r['gpu_peak_alloc_gb']:>13.2f}{r['gpu_used_gb']:>13.2f}{r['host_rss_gb']:>13.2f}"
             f"{r.get('train_cpu_ms_per_step', float('nan')):>14.2f}{r.get('prefetch_cpu_ms_per_step', float('nan')):>17.2f}")
+    for base in ("speedtorch_adam", "speedtorch_sgd"):
+        b = results.get(base, {}).get("steps_per_s")
+        if not b:
+            continue
+        for name, r in results.items():
+            if name.startswith("stpipe") and "steps_per_s" in r and not name.endswith(("_profile", "_trace")):
+                r[f"ratio_to_{base}"] = r["steps_per_s"] / b
+        log(f"x {base}: " + ", ".join(f"{n} {r[f'ratio_to_{base}']:.2f}" for n, r in results.items()
+                                       if f"ratio_to_{base}" in r))
     prof = results.get("stpipe_depth1_profile", {}).get("profile_ms")
     if prof:
         log("stpipe depth 1 profile (median ms/step, synchronised phases): "
