@@ -18,6 +18,8 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   wants a tensor). The one change made to it: after the factories are built, each
   parameter's ``step`` is replaced by ``torch.tensor(0.0)``, which is what Adam itself
   would have created. Everything else (its syncs, CuPy fancy indexing, no dedup) is as shipped;
+* ``compat_sgd`` / ``compat_adam``: the same SpeedTorch code as the two rows above, run
+  through ``stpipe.compat.speedtorch`` (no fix needed there);
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
   N computes);
@@ -177,7 +179,7 @@ def run_ceiling(args, dev, batches):
 
 
 def run_naive(args, dev, batches):
-    rows, pin = args.rows, False
+    rows = args.rows
     tables = {}
     for name in ("in", "out"):
         t = torch.empty(rows, DIM)
@@ -232,13 +234,20 @@ def speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
             st["step"] = torch.tensor(float(st["step"]))
 
 
-def run_speedtorch(args, dev, batches, adam: bool = False):
-    try:
-        import SpeedTorch  # noqa: N813
-    except Exception as exc:  # not installed, or CuPy missing/broken
-        return {"skipped": f"import SpeedTorch failed: {type(exc).__name__}: {exc}"}
-    if dev.type != "cuda":
-        return {"skipped": "SpeedTorch needs CUDA (CuPy)"}
+def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False):
+    """SpeedTorch's documented skip-gram pattern (speedtorch-api.md): dummy embeddings of
+    batch size, ``ModelFactory`` switchers (and ``OptimizerFactory`` ones for Adam) around
+    the step. ``compat=True`` runs the very same code through ``stpipe.compat.speedtorch``
+    (the one-line import change), with no fix applied to it."""
+    if compat:
+        import stpipe.compat.speedtorch as SpeedTorch  # noqa: N813
+    else:
+        try:
+            import SpeedTorch  # noqa: N813
+        except Exception as exc:  # not installed, or CuPy missing/broken
+            return {"skipped": f"import SpeedTorch failed: {type(exc).__name__}: {exc}"}
+        if dev.type != "cuda":
+            return {"skipped": "SpeedTorch needs CUDA (CuPy)"}
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -259,7 +268,8 @@ def run_speedtorch(args, dev, batches, adam: bool = False):
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         u_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "u_embeddings", CPUPinn=True)
         v_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "v_embeddings", CPUPinn=True)
-        speedtorch_step_fix(opt)
+        if not compat:
+            speedtorch_step_fix(opt)
         u_opt.optInit()
         v_opt.optInit()
         u_sws.append(u_opt)
@@ -287,7 +297,10 @@ def run_speedtorch(args, dev, batches, adam: bool = False):
         return loss
 
     res = timed(dev, args.warmup, nb, step)
-    if adam:
+    if compat:
+        note = (f"stpipe.compat.speedtorch, SpeedTorch's code unchanged, {'Adam' if adam else 'SGD'}: "
+                "duplicate ids deduplicated (summed gradients, one write-back)")
+    elif adam:
         note = ("SpeedTorch 0.1.6 ModelFactory + OptimizerFactory (CPUPinn=True), Adam lr 1e-3; its int "
                 "'step' state replaced by a tensor (the one change); no dedup")
     else:
@@ -454,7 +467,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="100k rows, 20 steps (runs on CPU too)")
     ap.add_argument("--out", default=None, help="directory for train_skipgram.json and .log")
     ap.add_argument("--methods", default="gpu_sparse_adam,naive_host,speedtorch_sgd,speedtorch_adam,"
-                    "stpipe_depth0,stpipe_depth1,profile")
+                    "compat_sgd,compat_adam,stpipe_depth0,stpipe_depth1,profile")
     ap.add_argument("--backend", default=None, help="stpipe HostTable backend (default: auto)")
     ap.add_argument("--trace", default=None, help="method 'trace' writes torch.profiler / cProfile tables here")
     args = ap.parse_args(argv)
@@ -491,8 +504,9 @@ def main(argv=None) -> int:
                 results[m] = run_ceiling(args, dev, batches)
             elif m == "naive_host":
                 results[m] = run_naive(args, dev, batches)
-            elif m in ("speedtorch_sgd", "speedtorch_adam"):
-                results[m] = run_speedtorch(args, dev, batches, adam=(m == "speedtorch_adam"))
+            elif m in ("speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam"):
+                results[m] = run_speedtorch(args, dev, batches, adam=m.endswith("adam"),
+                                            compat=m.startswith("compat"))
             elif m in ("compute_only", "compute_only_fused"):
                 results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
             elif m == "stpipe_depth1_switch":
@@ -533,7 +547,7 @@ def main(argv=None) -> int:
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
         log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
-        if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd", "speedtorch_adam"):
+        if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam"):
             gc.collect()
     ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")
     for r in results.values():
@@ -554,7 +568,8 @@ def main(argv=None) -> int:
         if not b:
             continue
         for name, r in results.items():
-            if name.startswith("stpipe") and "steps_per_s" in r and not name.endswith(("_profile", "_trace")):
+            if (name.startswith(("stpipe", "compat")) and "steps_per_s" in r
+                    and not name.endswith(("_profile", "_trace"))):
                 r[f"ratio_to_{base}"] = r["steps_per_s"] / b
         log(f"x {base}: " + ", ".join(f"{n} {r[f'ratio_to_{base}']:.2f}" for n, r in results.items()
                                        if f"ratio_to_{base}" in r))

@@ -8,7 +8,9 @@ scatter (GPU -> host) bandwidth of:
 * ``naive``: ``table[ids].to('cuda')`` / ``table[ids] = x.cpu()``;
 * ``index_select``: ``index_select`` into pinned staging + one copy / the reverse with
   ``index_copy_`` (the best plain PyTorch);
-* ``speedtorch``: SpeedTorch 0.1.6 ``DataGadget(CPUPinn=True)`` when it imports;
+* ``speedtorch``: SpeedTorch 0.1.6 ``DataGadget(CPUPinn=True)`` when it imports (given
+  numpy ids, as SpeedTorch code passes them);
+* ``stpipe-compat``: the same ``DataGadget`` calls through ``stpipe.compat.speedtorch``;
 * ``stpipe-<backend>``: ``HostTable.gather``/``scatter`` with each backend that loads.
 
 It also reports host RSS growth against the table's bytes and the GPU memory the table
@@ -39,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stpipe.host import HostTable  # noqa: E402
-from stpipe._bench import _backends, _paths, _plot_gbps, _speedtorch, _timer  # noqa: E402
+from stpipe._bench import _backends, _gadgets, _paths, _plot_gbps, _timer  # noqa: E402
 from stpipe.kernels import get_backend  # noqa: E402
 
 GB = 1e9
@@ -77,11 +79,11 @@ def make_ids(kind: str, rows: int, batch: int, seed: int = 0) -> np.ndarray:
 
 
 def run_point(table: HostTable, ids: np.ndarray, args, cuda: bool, backends, wrappers,
-              gadget, log: Log, label: str, fields: dict, quiet: bool = False) -> List[dict]:
+              gadgets, log: Log, label: str, fields: dict, quiet: bool = False) -> List[dict]:
     k = len(ids)
     nbytes = k * table.dim * table.itemsize
     usable = {name: wrappers[name] for name, why in backends.items() if not why}
-    paths = _paths(table, usable, ids, cuda, gadget)
+    paths = _paths(table, usable, ids, cuda, gadgets)
     results = []
     if not quiet:
         log(f"\n[{label}] {k} unique rows x {table.dim} {str(table.dtype)[6:]} = "
@@ -157,14 +159,15 @@ def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: 
                                     device="cuda" if cuda else "cpu", pin=cuda)
         for name, why in backends.items() if not why
     }
-    gadget = _speedtorch(table, args.out, log) if (cuda and speedtorch and not quiet) else None
+    gadgets = (_gadgets(table, args.out, log, speedtorch=cuda)
+               if (speedtorch and not quiet) else {})
     results = []
     for kind in id_kinds:
         for batch in batches:
             ids = make_ids(kind, rows, batch)
             label = f"{kind} ids, batch {batch}, table {rows}x{dim} {str(dtype)[6:]}"
             fields = {"ids": kind, "batch": batch, "rows": rows, "dim": dim, "dtype": str(dtype)}
-            results += run_point(table, ids, args, cuda, backends, wrappers, gadget, log,
+            results += run_point(table, ids, args, cuda, backends, wrappers, gadgets, log,
                                  label, fields, quiet=quiet)
     if cuda and "auto" in wrappers:
         auto = get_backend("auto")
@@ -180,7 +183,7 @@ def bench_table(rows: int, dim: int, dtype: torch.dtype, args, cuda: bool, log: 
                 log(f"  {k} -> {v[0]}  [{cands}]")
     for w in wrappers.values():
         w.close()
-    del gadget
+    del gadgets
     table.close()
     gc.collect()
     return {"table": info, "results": results}

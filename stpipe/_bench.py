@@ -10,6 +10,8 @@ as the planner gives them, medians of timed repeats after warm-up:
 * ``index_select`` (CUDA only): ``index_select`` into pinned staging + one copy / the reverse
   with ``index_copy_``;
 * ``speedtorch`` (CUDA, when SpeedTorch imports): ``DataGadget(CPUPinn=True)``;
+* ``stpipe-compat`` (CUDA): the same ``DataGadget`` calls through
+  ``stpipe.compat.speedtorch``;
 * ``stpipe-<backend>``: :meth:`HostTable.gather` / :meth:`HostTable.scatter` with each
   backend that loads (on a CPU-only machine the table's CPU path: ``torch``).
 """
@@ -21,7 +23,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -103,29 +105,46 @@ def _backends(cuda: bool, wanted: Optional[List[str]] = None) -> Dict[str, str]:
     return out
 
 
-def _speedtorch(table, folder: str, log):
+def _gadgets(table, folder: str, log, speedtorch: bool = True) -> Dict[str, Any]:
+    """SpeedTorch's ``DataGadget(CPUPinn=True)`` over a copy of ``table`` (when SpeedTorch
+    imports and ``speedtorch``), and the same call through ``stpipe.compat.speedtorch``:
+    path name -> gadget. Both load one ``.npy`` written from ``table`` into ``folder``."""
+    gadgets: Dict[str, Any] = {}
+    path = os.path.join(folder, "speedtorch_table.npy")
     try:
-        import SpeedTorch
-    except Exception as exc:
-        log(f"note: SpeedTorch not compared ({type(exc).__name__}: {exc}); "
-            "pip install SpeedTorch==0.1.6 cupy to include it")
-        return None
-    try:
-        path = os.path.join(folder, "speedtorch_table.npy")
         table.save(path)
-        gadget = SpeedTorch.DataGadget(path, CPUPinn=True)
-        gadget.gadgetInit()
-        os.unlink(path)
-        return gadget
-    except Exception as exc:
-        log(f"note: SpeedTorch DataGadget failed ({type(exc).__name__}: {exc})")
-        return None
+        mods: Dict[str, Any] = {}
+        if speedtorch:
+            try:
+                import SpeedTorch
+
+                mods["speedtorch"] = SpeedTorch
+            except Exception as exc:
+                log(f"note: SpeedTorch not compared ({type(exc).__name__}: {exc}); "
+                    "pip install SpeedTorch==0.1.6 cupy to include it")
+        from .compat import speedtorch as compat
+
+        mods["stpipe-compat"] = compat
+        for name, mod in mods.items():
+            try:
+                gadget = mod.DataGadget(path, CPUPinn=True)
+                gadget.gadgetInit()
+                gadgets[name] = gadget
+            except Exception as exc:
+                log(f"note: {name} DataGadget failed ({type(exc).__name__}: {exc})")
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return gadgets
 
 
-def _paths(table, wrappers, ids: np.ndarray, cuda: bool, gadget) -> Dict[str, Dict[str, Callable]]:
+def _paths(table, wrappers, ids: np.ndarray, cuda: bool,
+           gadgets: Optional[Dict[str, Any]] = None) -> Dict[str, Dict[str, Callable]]:
     """op -> path name -> zero-argument callable moving the batch ``ids``.
 
-    ``wrappers`` maps a usable stpipe backend name to a HostTable over the same memory.
+    ``wrappers`` maps a usable stpipe backend name to a HostTable over the same memory;
+    ``gadgets`` a path name to a SpeedTorch-style ``DataGadget`` (see :func:`_gadgets`),
+    called with numpy ids as SpeedTorch code does.
     Shared by ``python -m stpipe bench`` and ``benchmarks/transfer.py``.
     """
     from .kernels import IndexBatch
@@ -162,10 +181,6 @@ def _paths(table, wrappers, ids: np.ndarray, cuda: bool, gadget) -> Dict[str, Di
             host.index_copy_(0, idx, stage)
 
         gather["index_select"], scatter["index_select"] = is_gather, is_scatter
-        if gadget is not None:
-            gidx = ids.copy()
-            gather["speedtorch"] = lambda: gadget.getData(gidx)
-            scatter["speedtorch"] = lambda: gadget.insertData(rows, gidx)
     else:
         flat = host.reshape(-1).view(torch.uint8)
         dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -177,6 +192,10 @@ def _paths(table, wrappers, ids: np.ndarray, cuda: bool, gadget) -> Dict[str, Di
             host[idx] = rows
 
         scatter["naive"] = naive_scatter_cpu
+    gidx = ids.copy()
+    for name, g in (gadgets or {}).items():
+        gather[name] = (lambda g=g: g.getData(gidx))
+        scatter[name] = (lambda g=g: g.insertData(rows, gidx))
     for name, t in wrappers.items():
         gather[f"stpipe-{name}"] = (lambda t=t: t.gather(ids, out=out))
         scatter[f"stpipe-{name}"] = (lambda t=t: t.scatter(ids, rows, assume_unique=True))
@@ -210,11 +229,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> List[dict]:
     wrappers = {name: HostTable.from_tensor(table.tensor(), copy=False, backend=name,
                                             device=cfg.device, pin=cuda)
                 for name, why in backends.items() if not why}
-    gadget = None
+    gadgets: Dict[str, Any] = {}
     tmp = None
     if cuda:
         tmp = tempfile.TemporaryDirectory(prefix="stpipe-bench-")
-        gadget = _speedtorch(table, tmp.name, log)
+        gadgets = _gadgets(table, tmp.name, log)
     log(f"table {cfg.rows:,} x {cfg.dim} float32 ({table.nbytes / GB:.2f} GB) on "
         f"{'pinned host -> ' + torch.cuda.get_device_name() if cuda else 'CPU only'}; "
         f"median of {cfg.repeats} after {cfg.warmup} warm-up")
@@ -225,7 +244,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> List[dict]:
             ids = np.unique(rng.integers(0, cfg.rows, batch)).astype(np.int64)
             k = len(ids)
             nbytes = k * cfg.dim * 4
-            paths = _paths(table, wrappers, ids, cuda, gadget)
+            paths = _paths(table, wrappers, ids, cuda, gadgets)
             per: Dict[str, dict] = {}
             for op in ("gather", "scatter"):
                 for name, fn in paths[op].items():
