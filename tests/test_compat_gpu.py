@@ -29,6 +29,17 @@ def _quiet():
         yield
 
 
+@pytest.fixture(params=["kernels", "torch-ops"])
+def last_wins(request, monkeypatch):
+    """GPU-resident insertData both ways: the CuPy last-wins kernels (which also range-check
+    GPU ids) and their torch-op twin."""
+    if request.param == "torch-ops":
+        monkeypatch.setattr(SpeedTorch, "_last_wins_backend", [None])
+    elif SpeedTorch._last_wins() is None:
+        pytest.skip("CuPy's kernels do not load here")
+    return request.param
+
+
 @pytest.fixture
 def speedtorch():
     """The original package (needs CuPy)."""
@@ -119,7 +130,7 @@ def test_datagadget_on_cuda(tmp_path, cpupinn):
 
 
 @pytest.mark.parametrize("dim", [32, 4], ids=["stamps", "narrow-rows-sort"])
-def test_datagadget_gpu_insert_repeats_last_wins(tmp_path, dim):
+def test_datagadget_gpu_insert_repeats_last_wins(tmp_path, dim, last_wins):
     """GPU-resident insertData with repeated ids, several calls: each id keeps its last
     occurrence (the numpy result), whichever path decides it."""
     rng = np.random.default_rng(3)
@@ -127,6 +138,7 @@ def test_datagadget_gpu_insert_repeats_last_wins(tmp_path, dim):
     np.save(tmp_path / "d.npy", data)
     g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=False)
     g.gadgetInit()
+    assert g._store.checks_in_kernel() == (last_wins == "kernels")
     for call in range(4):
         ids = rng.integers(0, 60, 400)  # many repeats
         rows = torch.randn(400, dim, device="cuda")
@@ -140,7 +152,7 @@ def test_datagadget_gpu_insert_repeats_last_wins(tmp_path, dim):
 
 @pytest.mark.parametrize("kind", ["torch", "cupy"])
 @pytest.mark.parametrize("cpupinn", [False, True])
-def test_datagadget_takes_gpu_ids(tmp_path, cpupinn, kind):
+def test_datagadget_takes_gpu_ids(tmp_path, cpupinn, kind, last_wins):
     """SpeedTorch code indexes its DataGadget with CuPy arrays: ids on the GPU (CuPy or a
     CUDA tensor) work on both placements, repeats keep their last occurrence, and bad
     ids raise before anything moves."""

@@ -747,3 +747,27 @@ def test_datagadget_other_shapes_and_dtypes(tmp_path, shape, dtype):
 def test_datagadget_before_init_raises():
     with pytest.raises(RuntimeError, match="gadgetInit"):
         SpeedTorch.DataGadget("nowhere.npy").getData([0])
+
+
+def test_tensor_store_scatter_last_unchecked_ids_raise_and_write_nothing():
+    """The torch-op twin of the GPU last-wins insert (here on a CPU tensor): repeats keep
+    their last occurrence over several calls, and unchecked ids out of range raise
+    IndexError, naming the first bad one, before anything is written."""
+    from stpipe.compat.speedtorch import _TensorStore
+
+    rng = np.random.default_rng(8)
+    data = torch.from_numpy(rng.standard_normal((50, 8)).astype(np.float32))
+    store = _TensorStore(data.clone())
+    want = data.clone()
+    for _ in range(3):
+        ids = rng.integers(0, 10, 40)
+        rows = torch.randn(40, 8)
+        store.scatter_last(torch.from_numpy(ids), rows, checked=False)
+        for j, i in enumerate(ids):
+            want[i] = rows[j]
+        assert torch.equal(store.t, want)
+    with pytest.raises(IndexError, match="row id 50 at position 1"):
+        store.scatter_last(torch.tensor([3, 50, 4]), torch.ones(3, 8), checked=False)
+    with pytest.raises(IndexError, match="row id -2 at position 0"):
+        store.scatter_last(torch.tensor([-2]), torch.ones(1, 8), checked=False)
+    assert torch.equal(store.t, want)

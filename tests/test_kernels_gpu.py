@@ -367,3 +367,42 @@ def test_carry_many_bit_exact(dtype, dim, planes):
     be.carry_many(src_buf, dst_buf, planes, frm.data_ptr(), to.data_ptr(), 0, s)  # no launch
     s.synchronize()
     assert torch.equal(bits(dst_buf), bits(want))
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float16, 17), (torch.float32, 9)],
+                         ids=["16-byte-words", "2-byte-words", "4-byte-words"])
+def test_scatter_last_bit_exact_and_checked(dtype, dim):
+    """The compat layer's last-wins scatter into a device table: over several calls with
+    many repeats each id holds its last occurrence's row, bit for bit; a call with an id
+    out of range writes nothing and raises its flag to call << 32."""
+    need("cupy")
+    be = get_backend("cupy")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    table = torch.randn(300, dim, device="cuda", generator=g).to(dtype)
+    want = table.clone()
+    stamps = torch.zeros(300, dtype=torch.int64, device="cuda")
+    bad = torch.zeros(1, dtype=torch.int64, device="cuda")
+    rng = np.random.default_rng(5)
+    stream = torch.cuda.current_stream()
+    for call in range(1, 5):
+        ids = rng.integers(0, 40 if call % 2 else 300, 500)
+        rows = torch.randn(500, dim, device="cuda", generator=g).to(dtype)
+        be.scatter_last(table, torch.from_numpy(ids).cuda(), rows, stamps, bad, call, stream)
+        last = {int(i): j for j, i in enumerate(ids)}
+        for i, j in last.items():
+            want[i] = rows[j]
+        assert torch.equal(bits(table), bits(want)), call
+        assert int(bad.item()) == 0
+    ids = torch.tensor([3, 7, 300, 5], device="cuda")
+    be.scatter_last(table, ids, torch.ones(4, dim, device="cuda").to(dtype), stamps, bad, 5, stream)
+    assert int(bad.item()) == 5 << 32
+    assert torch.equal(bits(table), bits(want))
+    ids = torch.tensor([-1, 2], device="cuda")
+    be.scatter_last(table, ids, torch.ones(2, dim, device="cuda").to(dtype), stamps, bad, 6, stream)
+    assert int(bad.item()) == 6 << 32
+    assert torch.equal(bits(table), bits(want))
+    ids = torch.tensor([2, 2], device="cuda")  # a good call after bad ones writes again
+    rows = torch.randn(2, dim, device="cuda", generator=g).to(dtype)
+    be.scatter_last(table, ids, rows, stamps, bad, 7, stream)
+    want[2] = rows[1]
+    assert torch.equal(bits(table), bits(want))

@@ -251,6 +251,7 @@ class _TensorStore:
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
         self._stamps: Optional[torch.Tensor] = None  # see scatter_last
+        self._bad: Optional[torch.Tensor] = None
         self._calls = 0
 
     @classmethod
@@ -306,25 +307,50 @@ class _TensorStore:
         of the table's bytes (rows of 32 bytes or more)."""
         return self.t.shape[1] * self.t.element_size() >= 32
 
-    def scatter_last(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        """``table[idx[j]] = rows[j]`` where a repeated id takes its *last* occurrence;
-        ``idx`` is a checked ``(n,)`` int64 tensor on the table's device.
+    def checks_in_kernel(self) -> bool:
+        """Whether :meth:`scatter_last` range-checks ids itself (the CuPy kernels on a
+        GPU table), so callers may pass unchecked device ids."""
+        return self.t.device.type == "cuda" and self.t.is_contiguous() and _last_wins() is not None
 
-        No host sync and no sort: each named row's stamp (a per-table int64 scratch,
-        made once) takes the largest ``call << 32 | j`` that names it
-        (``scatter_reduce_`` amax; the call number makes older stamps smaller, so the
-        scratch is never reset), then every occurrence writes its id's winning row; the
-        copies to one row are identical, so their order does not matter. Stream: the
+    def scatter_last(self, idx: torch.Tensor, rows: torch.Tensor, checked: bool = True) -> None:
+        """``table[idx[j]] = rows[j]`` where a repeated id takes its *last* occurrence;
+        ``idx`` is a ``(n,)`` int64 tensor on the table's device, range-checked unless
+        ``checked`` is False (then only where :meth:`checks_in_kernel`).
+
+        No sort. Each named row's stamp (a per-table int64 scratch, made once) takes the
+        largest ``call << 32 | j`` that names it; the call number makes older stamps
+        smaller, so the scratch is never reset. Then only each id's winning occurrence
+        writes. With CuPy that is two kernels (:meth:`CupyBackend.scatter_last`: an
+        ``atomicMax`` pass, then a masked row copy), and no host sync unless ``checked``
+        is False: then one flag is read back (a wait on the current stream) and an id
+        out of range raises with the table unchanged. Without CuPy the twin is torch ops
+        (``scatter_reduce_`` amax, then every occurrence copies its id's winning row; the
+        copies to one row are identical, so their order does not matter). Stream: the
         current one.
+
+        Raises:
+            IndexError: (``checked=False``) an id out of range; nothing was written.
         """
         rows = rows.detach().to(device=self.t.device, dtype=self.t.dtype)
         n = int(idx.shape[0])
         if n == 0:
             return
         if self._stamps is None:
-            self._stamps = torch.full((self.num_rows,), -1, dtype=torch.int64, device=self.t.device)
+            self._stamps = torch.zeros((self.num_rows,), dtype=torch.int64, device=self.t.device)
         self._calls += 1
         base = self._calls << 32
+        kern = _last_wins() if self.checks_in_kernel() else None
+        if kern is not None:
+            if self._bad is None:
+                self._bad = torch.zeros((1,), dtype=torch.int64, device=self.t.device)
+            idx = idx.contiguous()
+            kern.scatter_last(self.t, idx, rows.contiguous(), self._stamps, self._bad, self._calls,
+                              torch.cuda.current_stream(self.t.device))
+            if not checked and int(self._bad.item()) == base:
+                check_ids(idx.cpu().numpy(), self.num_rows)  # raises, naming the first bad id
+            return
+        if not checked:
+            _check_device_range(idx, self.num_rows)
         pos = torch.arange(base, base + n, dtype=torch.int64, device=self.t.device)
         self._stamps.scatter_reduce_(0, idx, pos, reduce="amax")
         win = self._stamps.index_select(0, idx).sub_(base)
@@ -1363,14 +1389,10 @@ def _checked(flat: np.ndarray, store: Any) -> Any:
     return IndexBatch.of(np.ascontiguousarray(flat, dtype=np.int64), checked_rows=store.num_rows)
 
 
-def _device_ids(indexes: Any, num_rows: int) -> Optional[torch.Tensor]:
+def _device_ids(indexes: Any, num_rows: int, check: bool = True) -> Optional[torch.Tensor]:
     """Ids that live on a CUDA device (a CUDA tensor, a CuPy array or any object with
-    ``__cuda_array_interface__``) as a checked int64 torch tensor there, or ``None`` for
-    host ids.
-
-    The range check runs on the device: one min/max reduction and one read-back of two
-    numbers (a wait on the current stream). Only when it fails are the ids copied to the
-    host, to name the first bad id and its position as everywhere in stpipe.
+    ``__cuda_array_interface__``) as an int64 torch tensor there, range-checked unless
+    ``check`` is False (:func:`_check_device_range`), or ``None`` for host ids.
 
     Raises:
         IndexError: an id out of range. TypeError: non-integer ids.
@@ -1385,12 +1407,48 @@ def _device_ids(indexes: Any, num_rows: int) -> Optional[torch.Tensor]:
         return None
     _check_tensor_dtype(t)
     t = t.to(torch.int64)
+    if check:
+        _check_device_range(t, num_rows)
+    return t
+
+
+def _check_device_range(t: torch.Tensor, num_rows: int) -> None:
+    """Range-check int64 ids on their device: one min/max reduction and one read-back of
+    two numbers (a wait on the current stream). Only when it fails are the ids copied to
+    the host, to name the first bad id and its position as everywhere in stpipe.
+
+    Raises:
+        IndexError: an id out of range.
+    """
     flat = t.reshape(-1)
     if flat.numel():
         lo, hi = torch.stack(torch.aminmax(flat)).tolist()
         if lo < 0 or hi >= num_rows:
             check_ids(flat.cpu().numpy(), num_rows)  # raises, naming the first bad id
-    return t
+
+
+_last_wins_lock = threading.Lock()
+_last_wins_backend: List[Any] = []  # [] not tried yet, [None] unavailable, [backend]
+
+
+def _last_wins() -> Any:
+    """The CuPy backend (its ``scatter_last`` kernels) where CuPy loads, else None (the
+    torch-op twin in :meth:`_TensorStore.scatter_last` runs). Tried once per process."""
+    got = _last_wins_backend
+    if got:
+        return got[0]
+    with _last_wins_lock:
+        if not got:
+            backend = None
+            if _cupy_installed():
+                from ..kernels import get_backend
+
+                try:
+                    backend = get_backend("cupy")
+                except BackendUnavailableError:
+                    backend = None
+            got.append(backend)
+    return got[0]
 
 
 def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
@@ -1472,16 +1530,21 @@ class DataGadget:
         last occurrence is written, once (SpeedTorch kept one at random).
 
         Streams: reads ``dataObject`` on the current stream of its device. Repeats are
-        found on the host for a pinned table (nothing waits on the device); a
-        GPU-resident table resolves them on the GPU with no host sync (rows of 32 bytes
-        or more; narrower rows sort the ids there and read one flag back, a wait on the
-        current stream, not the device).
+        found on the host for a pinned table (nothing waits on the device). A
+        GPU-resident table resolves them on the GPU (rows of 32 bytes or more; narrower
+        rows sort the ids there and read one flag back, a wait on the current stream,
+        not the device): with CuPy, two kernels that also range-check GPU ids, so the
+        only wait is one flag read after the write (none for host ids, checked on the
+        host); without CuPy, torch ops after a device min/max check of GPU ids.
 
         Raises:
             IndexError: an id out of range. ValueError: a shape that does not fit.
         """
         store = self._require()
-        ids, dev_ids = self._ids(indexes, store)
+        # a GPU table whose kernels range-check the ids takes GPU ids unchecked (the
+        # check then costs no separate pass or wait before the write)
+        in_kernel = isinstance(store, _TensorStore) and store.stamps_fit() and store.checks_in_kernel()
+        ids, dev_ids = self._ids(indexes, store, check=not in_kernel)
         shape = tuple(dev_ids.shape) if ids is None else ids.shape
         if not isinstance(dataObject, torch.Tensor):
             dataObject = (torch.from_dlpack(dataObject) if hasattr(dataObject, "__dlpack__")
@@ -1499,8 +1562,8 @@ class DataGadget:
         if isinstance(store, _TensorStore) and store.device.type == "cuda":
             ids_dev = (dev_ids.reshape(-1) if ids is None
                        else _ids_tensor(ids.reshape(-1).astype(np.int64, copy=False), store.device))
-            if store.stamps_fit():  # last occurrence wins, decided on the GPU, no sync
-                store.scatter_last(ids_dev, rows)
+            if store.stamps_fit():  # last occurrence wins, decided on the GPU
+                store.scatter_last(ids_dev, rows, checked=ids is not None or not in_kernel)
                 return
         if ids is None:  # narrow rows: the repeat check below also reads the ids on the host
             ids = dev_ids.cpu().numpy()
@@ -1515,15 +1578,19 @@ class DataGadget:
         _save_store_npy(self._require(), _npy_name(saveFileName), self._shape)
 
     @staticmethod
-    def _ids(indexes: Any, store: Any) -> Tuple[Optional[np.ndarray], Optional[torch.Tensor]]:
-        """Checked ids: ``(None, ids on the GPU)`` when they are on the GPU table's own
-        device, else ``(host ids, None)`` (GPU ids for a host table are copied down)."""
-        dev_ids = _device_ids(indexes, store.num_rows)
+    def _ids(indexes: Any, store: Any, check: bool = True
+             ) -> Tuple[Optional[np.ndarray], Optional[torch.Tensor]]:
+        """``(None, ids on the GPU)`` when they are on the GPU table's own device, else
+        ``(host ids, None)`` (GPU ids for a host table are copied down). All checked,
+        except GPU ids on the table's device when ``check`` is False."""
+        dev_ids = _device_ids(indexes, store.num_rows, check=False)
         if dev_ids is None:
             return _gadget_ids(indexes, store.num_rows), None
         if isinstance(store, _TensorStore) and store.device == dev_ids.device:
+            if check:
+                _check_device_range(dev_ids, store.num_rows)
             return None, dev_ids
-        return dev_ids.cpu().numpy(), None
+        return check_ids(dev_ids.cpu().numpy(), store.num_rows), None
 
     def getNumpyVersion(self) -> np.ndarray:
         """A numpy copy of the table, in the file's shape."""

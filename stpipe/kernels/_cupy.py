@@ -88,6 +88,46 @@ __device__ __forceinline__ const W* pick(const W* t0, const W* t1, const W* t2, 
     return g == 0 ? t0 : (g == 1 ? t1 : (g == 2 ? t2 : t3));
 }
 
+// Last occurrence wins (the compat layer's GPU-resident insertData): pass 1 stamps each
+// named row with the largest base + j naming it (base: a call number << 32, so stamps of
+// earlier calls are smaller and the scratch is never cleared); an id outside [0, rows)
+// stores base in *bad and stamps nothing. Pass 2 lets only each id's winning occurrence
+// write its row, and writes nothing at all when pass 1 saw a bad id in this call.
+__device__ __forceinline__ void stamp_last(const long long* __restrict__ ids,
+                                           unsigned long long* __restrict__ stamps,
+                                           unsigned long long* __restrict__ bad,
+                                           long long n, long long rows, long long base) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (; j < n; j += stride) {
+        const long long id = ids[j];
+        if (id < 0 || id >= rows) {
+            *bad = (unsigned long long)base;
+            continue;
+        }
+        atomicMax(stamps + id, (unsigned long long)(base + j));
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void scatter_last_words(W* __restrict__ table,
+                                                   const long long* __restrict__ ids,
+                                                   const W* __restrict__ rows,
+                                                   const unsigned long long* __restrict__ stamps,
+                                                   const unsigned long long* __restrict__ bad,
+                                                   long long base, long long total,
+                                                   long long words) {
+    if (*bad == (unsigned long long)base) return;
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (; k < total; k += stride) {
+        const long long row = k / words;
+        const long long w = k - row * words;
+        const long long id = ids[row];
+        if (stamps[id] == (unsigned long long)(base + row)) table[id * words + w] = rows[k];
+    }
+}
+
 #define STPIPE_KERNELS(W)                                                              \
 extern "C" __global__ void stpipe_gather_##W(const W* table, const long long* ids,     \
                                              W* out, long long total, long long words) \
@@ -109,7 +149,15 @@ extern "C" __global__ void stpipe_carry_many_##W(const W* src, W* dst,          
         const long long* from, const long long* to, long long src_plane,               \
         long long dst_plane, long long total, long long words)                         \
 { carry_words<W>(src + blockIdx.y * src_plane, dst + blockIdx.y * dst_plane, from, to,  \
-                 total, words); }
+                 total, words); }                                                      \
+extern "C" __global__ void stpipe_stamp_last_##W(const long long* ids,                  \
+        unsigned long long* stamps, unsigned long long* bad, long long n, long long rows, \
+        long long base)                                                                \
+{ stamp_last(ids, stamps, bad, n, rows, base); }                                       \
+extern "C" __global__ void stpipe_scatter_last_##W(W* table, const long long* ids,      \
+        const W* rows, const unsigned long long* stamps, const unsigned long long* bad, \
+        long long base, long long total, long long words)                              \
+{ scatter_last_words<W>(table, ids, rows, stamps, bad, base, total, words); }
 
 STPIPE_KERNELS(w2_t)
 STPIPE_KERNELS(w4_t)
@@ -426,6 +474,39 @@ class CupyBackend:
         self._run(index, "carry_many", word, (blocks, planes), threads, stream,
                   (src.data_ptr(), dst.data_ptr(), src_rows, dst_rows, sp // word, dp // word,
                    total, words), pointers=4)
+
+    def scatter_last(self, table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                     stamps: torch.Tensor, bad: torch.Tensor, call: int,
+                     stream: "torch.cuda.Stream") -> None:
+        """``table[ids[j]] = rows[j]`` for a *device* ``table`` where a repeated id takes
+        its last occurrence, in two launches on ``stream``, with no sort and no host sync.
+
+        ``ids`` is ``(n,)`` int64 and ``rows`` ``(n, dim)`` contiguous, both on the
+        table's device; ``stamps`` is an int64 scratch of one element per table row and
+        ``bad`` a one-element int64 flag, both zero when first made and kept by the
+        caller; ``call`` (>= 1) must grow by one per call with the same scratch. Ids are
+        range-checked in the kernels: when any is outside ``[0, len(table))``, nothing is
+        written and ``bad`` holds ``call << 32`` once ``stream`` gets here (the caller
+        reads it). Stream: both launches on ``stream``; the caller orders it after the
+        producers of ``ids`` and ``rows``.
+        """
+        n = int(ids.shape[0])
+        if n == 0:
+            return
+        index = table.device.index
+        rb = row_bytes(table)
+        word = word_bytes(rb, table.data_ptr(), rows.data_ptr())
+        words = rb // word
+        base = call << 32
+        blocks, threads = launch_shape(n, self._sms_of(index, "stamp_last", word))
+        self._run(index, "stamp_last", word, (blocks, 1), threads, stream,
+                  (ids.data_ptr(), stamps.data_ptr(), bad.data_ptr(), n, table.shape[0], base),
+                  pointers=3)
+        total = n * words
+        blocks, threads = launch_shape(total, self._sms_of(index, "scatter_last", word))
+        self._run(index, "scatter_last", word, (blocks, 1), threads, stream,
+                  (table.data_ptr(), ids.data_ptr(), rows.data_ptr(), stamps.data_ptr(),
+                   bad.data_ptr(), base, total, words), pointers=5)
 
     def gather_many(self, tables: Sequence[torch.Tensor], ids: IndexBatch, out: torch.Tensor,
                     stream: "torch.cuda.Stream") -> None:
