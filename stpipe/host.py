@@ -816,6 +816,81 @@ class HostTable:
         self._after(mover, s, write=True)
 
 
+    # ----------------------------------------------------------- ids already on the GPU
+    def _uva_mover(self) -> Any:
+        """The CuPy backend when this table can be read and written from the GPU by
+        address (pinned, CUDA, backend ``auto``/``cupy``), else ``None``."""
+        mover = _fused_mover([self])
+        if mover is not None:
+            mover._check_pinned(self.device.index, self._data.data_ptr())
+        return mover
+
+    def _gather_device(self, ids: torch.Tensor, stream: Optional["torch.cuda.Stream"] = None
+                       ) -> Optional[torch.Tensor]:
+        """``table[ids]`` for ``(n,)`` int64 ids *already on the device and range-checked*
+        (the compat layer's GPU ids), by one UVA kernel with no host copy of the ids;
+        ``None`` (nothing done) where :meth:`_uva_mover` has no kernel.
+
+        Streams: as :meth:`gather`; ``stream`` must already be ordered after the ids'
+        producer.
+        """
+        self._check_open()
+        mover = self._uva_mover()
+        if mover is None:
+            return None
+        s = self._stream(stream)
+        n = int(ids.shape[0])
+        with torch.cuda.stream(s):
+            out = torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
+            ids = ids.contiguous()
+        if n == 0:
+            return out
+        self._before(mover, s, write=False)
+        mover.prepare_many("gather", [self._data], out.view(1, n, self.dim))(ids.data_ptr(), n, s)
+        self._after(mover, s, write=False)
+        return out
+
+    def _scatter_last(self, ids: torch.Tensor, rows: torch.Tensor,
+                      stream: Optional["torch.cuda.Stream"] = None) -> bool:
+        """``table[ids[j]] = rows[j]`` where a repeated id takes its *last* occurrence, for
+        ``(n,)`` int64 ids *already on the device and range-checked*; False (nothing
+        done) where :meth:`_uva_mover` has no kernel.
+
+        All on the device, with no host sync and no scratch the size of the table: a
+        stable sort of the ids, then for each sorted position the index of its id's last
+        occurrence (a reversed running minimum), then one UVA launch where every
+        occurrence writes its id's winning row (copies to one row are identical, so
+        their order does not matter).
+
+        Streams: as :meth:`scatter`; ``stream`` must already be ordered after the
+        producers of ``ids`` and ``rows``.
+        """
+        self._check_open()
+        mover = self._uva_mover()
+        if mover is None:
+            return False
+        n = int(ids.shape[0])
+        self._check_rows("rows", rows, n)
+        if n == 0:
+            return True
+        s = self._stream(stream)
+        with torch.cuda.stream(s):
+            rows = rows.detach().contiguous()
+            srt, perm = torch.sort(ids, stable=True)
+            pos = torch.arange(n, device=self.device)
+            end = torch.full((n,), n, dtype=torch.int64, device=self.device)
+            last = torch.ones(n, dtype=torch.bool, device=self.device)
+            torch.ne(srt[1:], srt[:-1], out=last[:-1])
+            end = torch.where(last, pos, end).flip(0).cummin(0).values.flip(0)
+            src = perm.index_select(0, end)
+        self._before(mover, s, write=True)
+        rows.record_stream(s)
+        mover.carry_many(rows.view(1, n, self.dim), self._data.view(1, self.num_rows, self.dim), 1,
+                         src.data_ptr(), srt.data_ptr(), n, s)
+        self._after(mover, s, write=True)
+        return True
+
+
 _FUSED: Any = None  # the cupy backend once loaded, False when it cannot load
 
 

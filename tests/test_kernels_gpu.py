@@ -406,3 +406,39 @@ def test_scatter_last_bit_exact_and_checked(dtype, dim):
     be.scatter_last(table, ids, rows, stamps, bad, 7, stream)
     want[2] = rows[1]
     assert torch.equal(bits(table), bits(want))
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float16, 3), (torch.bfloat16, 10)])
+def test_host_table_device_id_paths(dtype, dim):
+    """A pinned table moved by ids already on the GPU (the compat layer's CuPy ids):
+    ``_gather_device`` reads exactly ``table[ids]``; ``_scatter_last`` leaves each repeated
+    id's *last* row, bit for bit, over several calls interleaved with gathers on another
+    stream; both answer None/False without a UVA kernel (a torch-backend table)."""
+    need("cupy")
+    t = HostTable(400, dim, dtype, device="cuda", pin=True, backend="cupy")
+    want = random_bits(t, 3).clone()
+    rng = np.random.default_rng(6)
+    side = torch.cuda.Stream()
+    for call in range(4):
+        ids = rng.integers(0, 30 if call % 2 else 400, 600)  # repeats; then mostly distinct
+        rows = torch.randn(600, dim, device="cuda").to(dtype)
+        assert t._scatter_last(torch.from_numpy(ids).cuda(), rows)
+        rows_cpu = rows.cpu()
+        for j, i in enumerate(ids):
+            want[i] = rows_cpu[j]
+        q = torch.from_numpy(rng.integers(0, 400, 250)).cuda()
+        side.wait_stream(torch.cuda.current_stream())
+        got = t._gather_device(q, stream=side)
+        side.synchronize()
+        assert torch.equal(bits(got.cpu()), bits(want[q.cpu()]))
+        torch.cuda.synchronize()
+        assert torch.equal(bits(t.tensor()), bits(want)), call
+    assert t._scatter_last(torch.empty(0, dtype=torch.int64, device="cuda"),
+                           torch.empty(0, dim, device="cuda").to(dtype))
+    assert t._gather_device(torch.empty(0, dtype=torch.int64, device="cuda")).shape == (0, dim)
+    plain = HostTable(50, dim, dtype, device="cuda", pin=True, backend="torch")
+    ids = torch.tensor([1, 1], device="cuda")
+    assert plain._gather_device(ids) is None
+    assert not plain._scatter_last(ids, torch.zeros(2, dim, device="cuda").to(dtype))
+    t.close()
+    plain.close()

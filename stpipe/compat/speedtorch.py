@@ -383,6 +383,11 @@ class _HostStore:
         self.table = table
         self.sorted_helps = table.device.type == "cuda"
 
+    def takes_device_ids(self, device: torch.device) -> bool:
+        """Whether ids on ``device`` can reach the table's UVA kernels as they are (a
+        pinned table of that device with CuPy), with no host copy."""
+        return self.table.device == device and self.table._uva_mover() is not None
+
     @classmethod
     def empty(cls, n: int, dim: int, dtype: torch.dtype, device: torch.device,
               pin: bool, backend: str) -> "_HostStore":
@@ -1365,6 +1370,11 @@ class CPUPytorchOptimizerFactory(PytorchOptimizerFactory):
 # ---------------------------------------------------------------------------------------
 # DataGadget
 # ---------------------------------------------------------------------------------------
+def _increasing(flat: np.ndarray) -> bool:
+    """True when the ``(n,)`` ids are strictly increasing (so distinct)."""
+    return flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1]))
+
+
 def _distinct(flat: np.ndarray, num_rows: int, ids_dev: Optional[torch.Tensor] = None) -> bool:
     """True when the ``(n,)`` checked ids hold no repeat.
 
@@ -1373,8 +1383,7 @@ def _distinct(flat: np.ndarray, num_rows: int, ids_dev: Optional[torch.Tensor] =
     the device: measured faster than the host pass for 131,072 ids over 10M rows); host
     ids get the compiled planner's O(n) bitmap pass, which never waits on the device.
     """
-    n = flat.shape[0]
-    if n < 2 or bool(np.all(flat[1:] > flat[:-1])):
+    if _increasing(flat):
         return True
     if ids_dev is not None:
         s = torch.sort(ids_dev).values
@@ -1517,8 +1526,10 @@ class DataGadget:
         """
         store = self._require()
         ids, dev_ids = self._ids(indexes, store)
-        if ids is None:  # GPU ids, GPU table: checked there, one gather, no host round trip
-            rows = store.t.index_select(0, dev_ids.reshape(-1))
+        if ids is None:  # GPU ids: checked there, one gather, no host round trip
+            flat_dev = dev_ids.reshape(-1)
+            rows = (store.t.index_select(0, flat_dev) if isinstance(store, _TensorStore)
+                    else store.table._gather_device(flat_dev))
             return rows.view(tuple(dev_ids.shape) + self._shape[1:])
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         rows = store.gather(_checked(flat, store), self._device())
@@ -1529,9 +1540,11 @@ class DataGadget:
         ``(n, *row_shape)``, any device) into rows ``indexes``. Where an id repeats, its
         last occurrence is written, once (SpeedTorch kept one at random).
 
-        Streams: reads ``dataObject`` on the current stream of its device. Repeats are
-        found on the host for a pinned table (nothing waits on the device). A
-        GPU-resident table resolves them on the GPU (rows of 32 bytes or more; narrower
+        Streams: reads ``dataObject`` on the current stream of its device. A pinned
+        table with CuPy resolves repeats on the GPU (a sort of the ids, then one UVA
+        write; GPU ids are range-checked there with one read-back and never copied to
+        the host); without CuPy they are found on the host (nothing waits on the
+        device). A GPU-resident table resolves them on the GPU (rows of 32 bytes or more; narrower
         rows sort the ids there and read one flag back, a wait on the current stream,
         not the device): with CuPy, two kernels that also range-check GPU ids, so the
         only wait is one flag read after the write (none for host ids, checked on the
@@ -1565,6 +1578,15 @@ class DataGadget:
             if store.stamps_fit():  # last occurrence wins, decided on the GPU
                 store.scatter_last(ids_dev, rows, checked=ids is not None or not in_kernel)
                 return
+        elif isinstance(store, _HostStore) and (ids is None or store.takes_device_ids(store.device)):
+            # a pinned table with UVA kernels: repeats resolved on the GPU by a sort (no
+            # host pass over the ids, no sync); ids already sorted and distinct skip it
+            flat = None if ids is None else ids.reshape(-1).astype(np.int64, copy=False)
+            if flat is None or not _increasing(flat):
+                ids_dev = dev_ids.reshape(-1) if flat is None else _ids_tensor(flat, store.device)
+                rows = rows.detach().to(device=store.device, dtype=store.dtype)
+                if store.table._scatter_last(ids_dev, rows):
+                    return
         if ids is None:  # narrow rows: the repeat check below also reads the ids on the host
             ids = dev_ids.cpu().numpy()
         flat = ids.reshape(-1).astype(np.int64, copy=False)
@@ -1586,8 +1608,9 @@ class DataGadget:
         dev_ids = _device_ids(indexes, store.num_rows, check=False)
         if dev_ids is None:
             return _gadget_ids(indexes, store.num_rows), None
-        if isinstance(store, _TensorStore) and store.device == dev_ids.device:
-            if check:
+        if (store.device == dev_ids.device if isinstance(store, _TensorStore)
+                else store.takes_device_ids(dev_ids.device)):
+            if check or not isinstance(store, _TensorStore):
                 _check_device_range(dev_ids, store.num_rows)
             return None, dev_ids
         return check_ids(dev_ids.cpu().numpy(), store.num_rows), None
