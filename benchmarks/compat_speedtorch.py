@@ -46,6 +46,8 @@ import warnings
 import numpy as np
 import torch
 
+from stpipe._bench import _speedtorch_step_fix
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -162,14 +164,6 @@ class SkipGram(torch.nn.Module):
         score = F.logsigmoid((emb_u * emb_v).sum(-1)).sum()
         neg = F.logsigmoid(-torch.bmm(emb_n, emb_u.transpose(1, 2))).sum()
         return -(score + neg) / pos_u.shape[0]
-
-
-def _speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
-    """SpeedTorch 0.1.6's OptimizerFactory seeds ``state['step'] = 0`` (an int); torch's Adam
-    needs a tensor there. The one change made to SpeedTorch for its Adam row."""
-    for st in opt.state.values():
-        if isinstance(st.get("step"), int):
-            st["step"] = torch.tensor(float(st["step"]))
 
 
 def bench_train(name: str, mod, optim: str, rows: int, dim: int, steps: int,

@@ -64,6 +64,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stpipe._bench import _speedtorch_step_fix
+
 BATCH, POS, NEG, DIM, LR = 512, 4, 64, 128, 1e-3
 
 
@@ -225,15 +227,6 @@ def run_naive(args, dev, batches):
     return res
 
 
-def speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
-    """Make SpeedTorch 0.1.6's ``OptimizerFactory`` state usable on PyTorch 2.x: it seeds
-    ``state['step'] = 0`` (a Python int) and torch's Adam needs a tensor there. Replace each
-    int step by ``torch.tensor(float(step))``, what Adam's own state init creates."""
-    for st in opt.state.values():
-        if isinstance(st.get("step"), int):
-            st["step"] = torch.tensor(float(st["step"]))
-
-
 def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False):
     """SpeedTorch's documented skip-gram pattern (speedtorch-api.md): dummy embeddings of
     batch size, ``ModelFactory`` switchers (and ``OptimizerFactory`` ones for Adam) around
@@ -269,7 +262,7 @@ def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False)
         u_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "u_embeddings", CPUPinn=True)
         v_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "v_embeddings", CPUPinn=True)
         if not compat:
-            speedtorch_step_fix(opt)
+            _speedtorch_step_fix(opt)
         u_opt.optInit()
         v_opt.optInit()
         u_sws.append(u_opt)

@@ -105,6 +105,16 @@ def _backends(cuda: bool, wanted: Optional[List[str]] = None) -> Dict[str, str]:
     return out
 
 
+def _speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
+    """Make SpeedTorch 0.1.6's ``OptimizerFactory`` state usable on PyTorch 2.x, the one
+    change the benchmarks make to it: it seeds ``state['step'] = 0`` (a Python int) and
+    torch's Adam needs a tensor there, so each int step becomes
+    ``torch.tensor(float(step))``, what Adam's own state init creates."""
+    for st in opt.state.values():
+        if isinstance(st.get("step"), int):
+            st["step"] = torch.tensor(float(st["step"]))
+
+
 def _gadgets(table, folder: str, log, speedtorch: bool = True) -> Dict[str, Any]:
     """SpeedTorch's ``DataGadget(CPUPinn=True)`` over a copy of ``table`` (when SpeedTorch
     imports and ``speedtorch``), and the same call through ``stpipe.compat.speedtorch``:

@@ -34,7 +34,7 @@ def last_wins(request, monkeypatch):
     """GPU-resident insertData both ways: the CuPy last-wins kernels (which also range-check
     GPU ids) and their torch-op twin."""
     if request.param == "torch-ops":
-        monkeypatch.setattr(SpeedTorch, "_last_wins_backend", [None])
+        monkeypatch.setattr(SpeedTorch, "_last_wins", lambda: None)
     elif SpeedTorch._last_wins() is None:
         pytest.skip("CuPy's kernels do not load here")
     return request.param

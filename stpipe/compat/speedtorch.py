@@ -1436,28 +1436,13 @@ def _check_device_range(t: torch.Tensor, num_rows: int) -> None:
             check_ids(flat.cpu().numpy(), num_rows)  # raises, naming the first bad id
 
 
-_last_wins_lock = threading.Lock()
-_last_wins_backend: List[Any] = []  # [] not tried yet, [None] unavailable, [backend]
-
-
 def _last_wins() -> Any:
     """The CuPy backend (its ``scatter_last`` kernels) where CuPy loads, else None (the
-    torch-op twin in :meth:`_TensorStore.scatter_last` runs). Tried once per process."""
-    got = _last_wins_backend
-    if got:
-        return got[0]
-    with _last_wins_lock:
-        if not got:
-            backend = None
-            if _cupy_installed():
-                from ..kernels import get_backend
+    torch-op twin in :meth:`_TensorStore.scatter_last` runs): the core's shared answer,
+    asked once per process (:func:`stpipe.host._cupy_backend`)."""
+    from ..host import _cupy_backend
 
-                try:
-                    backend = get_backend("cupy")
-                except BackendUnavailableError:
-                    backend = None
-            got.append(backend)
-    return got[0]
+    return _cupy_backend()
 
 
 def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
