@@ -828,8 +828,13 @@ class HostTable:
     def _gather_device(self, ids: torch.Tensor, stream: Optional["torch.cuda.Stream"] = None
                        ) -> Optional[torch.Tensor]:
         """``table[ids]`` for ``(n,)`` int64 ids *already on the device and range-checked*
-        (the compat layer's GPU ids), by one UVA kernel with no host copy of the ids;
-        ``None`` (nothing done) where :meth:`_uva_mover` has no kernel.
+        (the compat layer's GPU ids), with no host copy of the ids; ``None`` (nothing
+        done) where :meth:`_uva_mover` has no kernel.
+
+        The ids are sorted on the device first and one UVA launch reads the rows in
+        address order, writing each to its place in the output (random reads of host
+        memory in address order measured about 1.7x faster on the H200 host than in the
+        order asked).
 
         Streams: as :meth:`gather`; ``stream`` must already be ordered after the ids'
         producer.
@@ -842,11 +847,13 @@ class HostTable:
         n = int(ids.shape[0])
         with torch.cuda.stream(s):
             out = torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
-            ids = ids.contiguous()
+            if n:
+                srt, perm = torch.sort(ids)
         if n == 0:
             return out
         self._before(mover, s, write=False)
-        mover.prepare_many("gather", [self._data], out.view(1, n, self.dim))(ids.data_ptr(), n, s)
+        mover.carry_many(self._data.view(1, self.num_rows, self.dim), out.view(1, n, self.dim), 1,
+                         srt.data_ptr(), perm.data_ptr(), n, s)
         self._after(mover, s, write=False)
         return out
 
