@@ -167,7 +167,10 @@ class SkipGram(torch.nn.Module):
 
 
 def bench_train(name: str, mod, optim: str, rows: int, dim: int, steps: int,
-                B: int = 512, P: int = 4, N: int = 64) -> dict:
+                B: int = 512, P: int = 4, N: int = 64, profile: str | None = None) -> dict:
+    """One training row; ``profile``: a directory where the timed steps' cProfile
+    tables (cumulative and own time) are written (the row's speed then includes
+    cProfile's overhead)."""
     rng = np.random.default_rng(2)
     batches = [(rng.integers(0, rows, (B, 1)), _zipf(rng, (B, P), rows), _zipf(rng, (B, N), rows))
                for _ in range(16)]
@@ -211,20 +214,43 @@ def bench_train(name: str, mod, optim: str, rows: int, dim: int, steps: int,
     for i in range(5):
         step(i)
     _sync()
-    t = time.perf_counter()
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t, c = time.perf_counter(), time.thread_time()
     for i in range(steps):
         step(i)
     _sync()
-    dt = time.perf_counter() - t
+    dt, cpu = time.perf_counter() - t, time.thread_time() - c
+    if prof is not None:
+        prof.disable()
+        _write_profile(prof, profile, f"{name}_{optim}", steps)
     res = dict(impl=name, optimizer=optim, steps_per_s=steps / dt, ms_per_step=dt / steps * 1e3,
-               init_s=init_s, final_loss=float(losses[-1]), mean_unique_v_rows=float(uniq),
+               cpu_ms_per_step=cpu / steps * 1e3, init_s=init_s, final_loss=float(losses[-1]), mean_unique_v_rows=float(uniq),
                v_ids_per_step=B * (P + N))
     print(f"  skip-gram  {name:10s} {optim:4s} {res['steps_per_s']:8.1f} steps/s "
-          f"({res['ms_per_step']:.2f} ms/step; init {init_s:.1f} s; loss {res['final_loss']:.4f})",
+          f"({res['ms_per_step']:.2f} ms/step, CPU {res['cpu_ms_per_step']:.2f} ms; init {init_s:.1f} s; loss {res['final_loss']:.4f})",
           flush=True)
     del us, vs, switches, model, opt
     _free()
     return res
+
+
+def _write_profile(prof, out_dir: str, tag: str, steps: int) -> None:
+    """cProfile tables of the timed steps: by cumulative and by own time."""
+    import io
+    import pstats
+
+    os.makedirs(out_dir, exist_ok=True)
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(60)
+        with open(os.path.join(out_dir, f"profile_{tag}_{key}.txt"), "w") as f:
+            f.write(f"# {tag}: {steps} timed steps under cProfile, sorted by {key}\n")
+            f.write(buf.getvalue())
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,6 +264,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed training steps")
     ap.add_argument("--skip", choices=["gadget", "train"], action="append", default=[])
+    ap.add_argument("--only", choices=["stpipe", "SpeedTorch"], default=None,
+                    help="training rows of this implementation only")
+    ap.add_argument("--optims", default="sgd,adam", help="training rows' optimizers (sgd, adam)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="run the training rows under cProfile; tables written to DIR")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA: the compared paths move rows to a GPU", file=sys.stderr)
@@ -280,10 +311,15 @@ def main(argv=None) -> int:
             result["gadget"] = bench_gadget(impls, path, rows, args.dim, args.batch, repeats)
             os.unlink(path)
     if "train" not in args.skip:
-        for optim in ("sgd", "adam"):
+        for optim in [o for o in args.optims.split(",") if o]:
+            if optim not in ("sgd", "adam"):
+                raise SystemExit(f"--optims: expected sgd and/or adam, got {optim!r}")
             for name, mod in impls.items():
+                if args.only and name != args.only:
+                    continue
                 try:
-                    result["train"].append(bench_train(name, mod, optim, rows, args.dim, steps))
+                    result["train"].append(bench_train(name, mod, optim, rows, args.dim, steps,
+                                                       profile=args.profile))
                 except Exception as exc:  # report, go on with the other rows
                     print(f"  skip-gram  {name} {optim} failed: {type(exc).__name__}: {exc}", flush=True)
                     result["train"].append(dict(impl=name, optimizer=optim,

@@ -32,7 +32,8 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
   interval, an experiment) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
   tables written to ``--trace DIR``, default ``OUT/trace``) and ``trace0`` (depth 0 under
-  cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``).
+  cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``) and
+  ``trace_prefetch`` (depth 1 with only the prefetch thread under cProfile; ``DIR/prefetch``).
 
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``).
@@ -354,15 +355,20 @@ class _Stpipe:
                                     **({"fused": True} if fused else {}))
         self.setup_s = time.perf_counter() - t0
 
-    def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True):
+    def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
+            trace_prefetch=None):
         """``trace``: a directory; profile the timed steps with torch.profiler and
-        cProfile (training thread) and write the tables there."""
+        cProfile (training thread) and write the tables there. ``trace_prefetch``: a
+        directory; run the prefetch thread under cProfile (all its steps, warm-up
+        included) and write its tables there."""
         e_in, e_out, opt = self.e_in, self.e_out, self.opt
         tracer = None
         pipe = self.Pipeline(
             {"in": e_in, "out": e_out}, optimizer=opt, depth=depth, profile=profile,
             ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
         )
+        if trace_prefetch:
+            pipe._producer = _profiled(pipe._producer, trace_prefetch)
         losses, t0 = [], None
         with pipe:
             for step in pipe.run(batches):
@@ -406,6 +412,30 @@ class _Stpipe:
             res["profile_ms"] = {k: float(np.median([r[k] for r in recs])) for k in
                                  ("plan_ms", "wait_ms", "compute_ms", "writeback_ms")}
         return res
+
+
+def _profiled(fn, out_dir):
+    """``fn`` run under its own cProfile (cProfile follows one thread); on return the
+    tables go to ``out_dir/prefetch_cprofile.txt``."""
+    def wrapped(*a, **k):
+        import cProfile
+        import io
+        import pstats
+
+        cp = cProfile.Profile()
+        cp.enable()
+        try:
+            return fn(*a, **k)
+        finally:
+            cp.disable()
+            os.makedirs(out_dir, exist_ok=True)
+            s = io.StringIO()
+            st = pstats.Stats(cp, stream=s)
+            st.sort_stats("tottime").print_stats(60)
+            st.sort_stats("cumtime").print_stats(60)
+            with open(os.path.join(out_dir, "prefetch_cprofile.txt"), "w") as f:
+                f.write(s.getvalue())
+    return wrapped
 
 
 class _Tracer:
@@ -526,6 +556,12 @@ def main(argv=None) -> int:
                     st = _Stpipe(args, dev)
                 results[m] = st.run(args, dev, batches, 0, trace_ops=False,
                                     trace=os.path.join(trace_dir, "depth0"))
+            elif m == "trace_prefetch":
+                # depth 1 with the prefetch thread under cProfile (the training thread not)
+                if st is None:
+                    st = _Stpipe(args, dev)
+                results[m] = st.run(args, dev, batches, 1,
+                                    trace_prefetch=os.path.join(trace_dir, "prefetch"))
             elif m in ("stpipe_depth0", "stpipe_depth1", "profile", "trace"):
                 if st is None:
                     st = _Stpipe(args, dev)
