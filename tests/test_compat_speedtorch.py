@@ -789,3 +789,108 @@ def test_bench_speedtorch_step_fix_turns_int_steps_into_tensors():
     opt.step()
     assert float(opt.state[p]["step"]) == 1.0
     assert torch.allclose(p.detach(), torch.full((3, 2), -0.1))
+
+
+# ---------------------------------------------------------------------------------------
+# the fused gather/write-back of a weight and its optimizer state (pinned host tables)
+# ---------------------------------------------------------------------------------------
+ORDERS = ["pattern", "opt-first", "state-replaced", "opt-before-twice", "no-opt-after"]
+
+
+def _force_fusing(monkeypatch, on: bool) -> list:
+    """Fused moves on (CPU too: ``host.gather_many`` falls back to table-by-table there,
+    so the stash logic runs the same) or off; returns a list that counts fused gathers."""
+    calls: list = []
+    if not on:
+        monkeypatch.setattr(SpeedTorch, "_fusable", lambda stores, device: False)
+        return calls
+    real = SpeedTorch._fusable
+
+    def fusable(stores, device):
+        ok = (real(stores, device) if device.type == "cuda"
+              else len(stores) > 1 and all(isinstance(s, SpeedTorch._HostStore) for s in stores))
+        calls.append(ok)
+        return ok
+
+    monkeypatch.setattr(SpeedTorch, "_fusable", fusable)
+    return calls
+
+
+def _run_orders(device, opt_name, order, dups, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, dim=8):
+    """The pattern with pinned tables and the switcher calls in ``order``; returns every
+    table (weights and state) and the losses."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    model = SkipGram(B, B * (P + N), dim).to(device)
+    sw = [SpeedTorch.ModelFactory(model.u_embeddings, n_u, dim, CPUPinn=True),
+          SpeedTorch.ModelFactory(model.v_embeddings, n_v, dim, CPUPinn=True)]
+    for s in sw:
+        s.uniformDistributionInit(-0.5, 0.5)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    osw = [SpeedTorch.OptimizerFactory(opt, n_u, dim, model, "u_embeddings", CPUPinn=True),
+           SpeedTorch.OptimizerFactory(opt, n_v, dim, model, "v_embeddings", CPUPinn=True)]
+    for o in osw:
+        o.optInit()
+    ud = torch.as_tensor(sw[0].variableTransformer(B, 1), device=device)
+    pd, nd = (torch.as_tensor(a, device=device) for a in sw[1].variableTransformer(B, P, N))
+    batches = make_batches(rng, steps, B, P, N, n_u, n_v, dups != "unique")
+    if dups == "same-batch":  # identical consecutive batches: one layout object reused
+        batches = [batches[0]] * steps
+    losses = []
+    for u, v, neg in batches:
+        args = [(u,), (v, neg)]
+        before = [(o, a) for o, a in zip(osw, args)] + [(s, a) for s, a in zip(sw, args)]
+        if order != "opt-first":
+            before = before[2:] + before[:2]  # model switchers first, as documented
+        for s, a in before:
+            s.beforeForwardPass(*a)
+        if order == "opt-before-twice":
+            for o, a in zip(osw, args):
+                o.beforeForwardPass(*a)  # reads the tables again
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if order == "state-replaced":  # the user swaps a state tensor for a new one
+            st = opt.state[model.v_embeddings.weight]
+            key = next(k for k, t in st.items() if torch.is_tensor(t) and t.dim() == 2)
+            st[key] = st[key] * 0.5
+        after = [(s, a) for s, a in zip(sw, args)] + [(o, a) for o, a in zip(osw, args)]
+        if order == "opt-first":
+            after = after[2:] + after[:2]
+        if order == "no-opt-after":
+            after = after[:2]
+        for s, a in after:
+            s.afterOptimizerStep(*a)
+        losses.append(float(loss.detach()))
+    out = {"losses": np.array(losses)}
+    for name, s in zip("uv", sw):
+        out[name] = s.getNumpyVersion()
+    for name, o in zip("uv", osw):
+        for key, t in o.getNumpyVersion().items():
+            out[f"{name}.{key}"] = t
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dups", ["unique", "duplicates", "same-batch"])
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("opt_name", ["Adam", "Adagrad", "RMSprop-centered-momentum", "Rprop"])
+def test_fused_state_moves_bit_identical_to_unfused(monkeypatch, device, opt_name, order, dups):
+    """A pinned weight and its optimizer-state tables move in one fused gather, and the
+    state tables in one fused write-back when the optimizer stepped on the installed
+    tensors. Whatever the order of the switcher calls, the tables (weights and state)
+    and losses are bit-identical to moving each table on its own: a state tensor the
+    user replaced is written from the new tensor, a second ``beforeForwardPass``
+    re-reads the table, and a skipped optimizer ``afterOptimizerStep`` writes no state."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    calls = _force_fusing(monkeypatch, True)
+    fused = _run_orders(device, opt_name, order, dups)
+    assert any(calls), "the fused path never ran"
+    monkeypatch.undo()
+    _force_fusing(monkeypatch, False)
+    plain = _run_orders(device, opt_name, order, dups)
+    assert fused.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)

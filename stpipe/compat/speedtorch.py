@@ -382,6 +382,9 @@ class _HostStore:
     def __init__(self, table: Any) -> None:
         self.table = table
         self.sorted_helps = table.device.type == "cuda"
+        #: bumped by every write through this store (rows gathered ahead of use by a
+        #: fused gather are valid while it is unchanged; see :class:`_Stash`)
+        self.version = 0
 
     def takes_device_ids(self, device: torch.device) -> bool:
         """Whether ids on ``device`` can reach the table's UVA kernels as they are (a
@@ -401,23 +404,29 @@ class _HostStore:
 
     def zeros_(self) -> None:
         self.table.zeros_()
+        self.version += 1
 
     def fill_(self, value: float) -> None:
         self.table.init_(torch.nn.init.constant_, float(value))
+        self.version += 1
 
     def uniform_(self, low: float, high: float) -> None:
         self.table.uniform_(low, high)
+        self.version += 1
 
     def normal_(self, mean: float, std: float) -> None:
         self.table.normal_(mean, std)
+        self.version += 1
 
     def init_(self, fn: Callable[..., Any], *args: Any) -> None:
         self.table.init_(fn, *args)
+        self.version += 1
 
     def copy_from(self, src: Union[np.ndarray, torch.Tensor]) -> None:
         if isinstance(src, np.ndarray) and src.dtype.kind != "f":
             src = src.astype(np.float32)
         self.table.copy_from(src)
+        self.version += 1
 
     def _stream(self) -> Optional["torch.cuda.Stream"]:
         dev = self.table.device
@@ -435,6 +444,7 @@ class _HostStore:
         if rows.device != self.table.device or rows.dtype != self.table.dtype:
             rows = rows.to(device=self.table.device, dtype=self.table.dtype)
         self.table.scatter(ids, rows, stream=self._stream(), assume_unique=True)
+        self.version += 1
 
     def cpu_tensor(self) -> torch.Tensor:
         return self.table.tensor().clone()
@@ -639,9 +649,15 @@ class _Layout:
         # the unique ids as one IndexBatch shared by every host-table gather and scatter of
         # this batch (model and optimizer switchers): range-checked in O(1), uploaded once
         self._unique_batch = IndexBatch(host=self.unique, is_sorted=True)
+        #: a model switcher's fused gather of its table and its optimizer's state tables
+        self.stash: Optional[_Stash] = None
 
     def _uids(self, store: Any) -> Any:
-        return self._unique_batch if isinstance(store, _HostStore) else self.unique
+        if not isinstance(store, _HostStore):
+            return self.unique
+        if store.device.type == "cuda":
+            self.on("unique", store.device)  # the batch's one upload (with the inverse)
+        return self._unique_batch
 
     @property
     def weight_rows(self) -> int:
@@ -667,15 +683,23 @@ class _Layout:
         """``inverse`` / ``last`` / ``ids`` as an int64 tensor on ``device`` (cached)."""
         key = (name, str(device))
         got = self._dev.get(key)
-        if got is None and name in ("inverse", "unique") and device.type == "cuda":
-            # both in one upload (the forward hook needs one, a GPU-resident table the other)
+        if got is None and name in ("inverse", "unique", "last") and device.type == "cuda":
+            # one upload per batch and device: the inverse (the forward hook), the unique
+            # ids (the tables' kernels; handed to the host tables' IndexBatch too) and,
+            # where the weight keeps every position, each id's last position (write-back)
             from .._staging import upload
 
-            inv, uniq = upload([np.ascontiguousarray(self.inverse, dtype=np.int64), self.unique],
-                               device, torch.cuda.current_stream(device))
-            self._dev[("inverse", str(device))] = inv
-            self._dev[("unique", str(device))] = uniq
-            got = self._dev[key]
+            names = ["inverse", "unique"] + ([] if self.compact or self.identity else ["last"])
+            src = {"inverse": np.ascontiguousarray(self.inverse, dtype=np.int64),
+                   "unique": self.unique}
+            if "last" in names:
+                src["last"] = self.last_pos()
+            stream = torch.cuda.current_stream(device)
+            for nm, t in zip(names, upload([src[nm] for nm in names], device, stream)):
+                self._dev[(nm, str(device))] = t
+            self._unique_batch._uploaded.setdefault(int(stream.cuda_stream),
+                                                    self._dev[("unique", str(device))])
+            got = self._dev.get(key)
         if got is None:
             src = {"inverse": self.inverse, "last": self.last_pos(), "ids": self.ids,
                    "unique": self.unique}[name]
@@ -699,6 +723,32 @@ class _Layout:
         return store.gather(self.ids.astype(np.int64, copy=False), device,
                             self._dev_ids(store, "ids"))
 
+    def gather_planes(self, stores: List["_HostStore"], device: torch.device) -> torch.Tensor:
+        """``(len(stores), weight_rows, dim)`` on ``device``: every store's rows in this
+        layout, by one fused UVA launch (:func:`stpipe.host.gather_many`; the caller
+        checked :func:`_fusable`). Stream: the current one."""
+        from ..host import gather_many
+
+        s0 = stores[0]
+        uids = self._uids(s0)
+        buf = torch.empty((len(stores), self.k, s0.dim), dtype=s0.dtype, device=device)
+        gather_many([s.table for s in stores], uids, buf)
+        if self.compact or self.identity:
+            return buf
+        return buf.index_select(1, self.on("inverse", device))
+
+    def scatter_planes(self, stores: List["_HostStore"], planes: torch.Tensor) -> None:
+        """The mirror of :meth:`gather_planes`: ``planes[g]`` (this layout's rows) back to
+        ``stores[g]``, one write per unique id, by one fused launch."""
+        from ..host import scatter_many
+
+        planes = planes.detach()
+        if not (self.compact or self.identity):
+            planes = planes.index_select(1, self.on("last", planes.device))
+        scatter_many([s.table for s in stores], self._uids(stores[0]), planes)
+        for st in stores:
+            st.version += 1
+
     def scatter(self, store: Any, rows: torch.Tensor) -> None:
         """Write rows of this layout back, one write per unique id."""
         rows = rows.detach()
@@ -714,6 +764,69 @@ class _Layout:
         else:
             store.scatter(self._uids(store), rows.index_select(0, self.on("last", rows.device)))
 
+
+class _Stash:
+    """A model switcher's fused gather for one batch: ``planes[0]`` is its weight,
+    ``planes[g]`` the rows of optimizer-state store ``stores[g]`` (``g >= 1``), valid for
+    the optimizer switcher while that store's ``version`` is still ``versions[g]``.
+
+    The optimizer switcher installs the state rows it takes (:meth:`take`, once each).
+    When those exact tensors are still in the optimizer's state at its
+    ``afterOptimizerStep``, and no state table was written since the gather, all of them
+    go back in one fused launch (:meth:`state_writable`). Each switcher writes only what
+    it owns, when it is called, as without the fusing.
+    """
+
+    __slots__ = ("planes", "stores", "versions", "taken")
+
+    def __init__(self, planes: torch.Tensor, stores: List["_HostStore"]) -> None:
+        self.planes = planes
+        self.stores = list(stores)
+        self.versions = [st.version for st in stores]
+        self.taken: Dict[int, torch.Tensor] = {}  # g -> the tensor installed in the state
+
+    def _index(self, store: Any) -> int:
+        for g in range(1, len(self.stores)):
+            if self.stores[g] is store:
+                return g
+        return -1
+
+    def take(self, store: Any) -> Optional[torch.Tensor]:
+        """``store``'s gathered rows, once, or ``None`` (not in this gather, written
+        since, or already taken: a second ``beforeForwardPass`` reads the table again,
+        as without the fused gather)."""
+        g = self._index(store)
+        if g < 0 or g in self.taken or store.version != self.versions[g]:
+            return None
+        got = self.taken[g] = self.planes[g]
+        return got
+
+    def state_writable(self, state: Dict[str, Any], keys: Dict[str, Any]) -> bool:
+        """Whether ``planes[1:]`` can go back as they are: every state store of the
+        gather (``keys``: state key -> store) had its plane taken, that very tensor is
+        still ``state[key]``, and no write reached the store since the gather."""
+        if len(keys) != len(self.stores) - 1 or len(self.taken) != len(keys):
+            return False
+        for key, store in keys.items():
+            g = self._index(store)
+            if g < 0 or state.get(key) is not self.taken.get(g) or store.version != self.versions[g]:
+                return False
+        return True
+
+
+def _fusable(stores: List[Any], device: torch.device) -> bool:
+    """Whether one fused UVA launch can move all ``stores`` (pinned host tables of one
+    shape and dtype on ``device``, CuPy present)."""
+    if len(stores) < 2 or not all(isinstance(st, _HostStore) for st in stores):
+        return False
+    from ..host import _fused_mover
+
+    tables = [st.table for st in stores]
+    return tables[0].device == device and _fused_mover(tables) is not None
+
+
+#: the optimizer switcher that holds a parameter's per-row state (set by optInit)
+_opt_switch_of: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 #: the last layout computed for each parameter (shared by its model and optimizer switchers)
 _layouts: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -922,7 +1035,17 @@ class _ModelSwitch(_TableSwitch):
         store = self._require()
         w = _weight_of(self.model_variable)
         lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
-        rows = lay.gather(store, w.device)
+        opt = _opt_switch_of.get(w)
+        state_stores = list(opt._tables.values()) if opt is not None and opt._tables else []
+        stores = [store] + state_stores
+        if _fusable(stores, w.device):
+            # the weight and the optimizer's state rows of the batch in one launch; the
+            # optimizer switcher's beforeForwardPass installs the state planes
+            planes = lay.gather_planes(stores, w.device)
+            lay.stash = _Stash(planes, stores)
+            rows = planes[0]
+        else:
+            rows = lay.gather(store, w.device)
         _install(w, rows)
         self._layout = lay
 
@@ -1235,6 +1358,7 @@ class _OptimizerSwitch:
                 store.fill_(value)
             tables[key] = store
         self._tables = tables
+        _opt_switch_of[self._param] = self
 
     def _require(self) -> Dict[str, Union[_TensorStore, _HostStore]]:
         if self._tables is None:
@@ -1259,8 +1383,10 @@ class _OptimizerSwitch:
         state = self.given_optimizer.state[p]
         if len(state) == 0:
             _init_scalar_state(self._kind, self._group, p, state)
+        stash = lay.stash
         for key, store in tables.items():
-            state[key] = lay.gather(store, p.device)
+            got = stash.take(store) if stash is not None else None
+            state[key] = got if got is not None else lay.gather(store, p.device)
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Write the per-row state rows of the batch back to their tables (each unique id
@@ -1274,6 +1400,13 @@ class _OptimizerSwitch:
         p = self._param
         lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
         state = self.given_optimizer.state.get(p, {})
+        stash = lay.stash
+        if stash is not None and stash.state_writable(state, tables):
+            # the state rows installed from the model switcher's fused gather, stepped
+            # in place: every state table in one launch
+            lay.scatter_planes(stash.stores[1:], stash.planes[1:])
+            lay.stash = None
+            return
         for key, store in tables.items():
             t = state.get(key)
             if isinstance(t, torch.Tensor):
@@ -1288,6 +1421,8 @@ class _OptimizerSwitch:
         for store in (self._tables or {}).values():
             store.close()
         self._tables = None
+        if _opt_switch_of.get(self._param) is self:
+            del _opt_switch_of[self._param]
 
 
 class OptimizerFactory(_OptimizerSwitch):
@@ -1580,6 +1715,7 @@ class DataGadget:
                 ids_dev = dev_ids.reshape(-1) if flat is None else _ids_tensor(flat, store.device)
                 rows = rows.detach().to(device=store.device, dtype=store.dtype)
                 if store.table._scatter_last(ids_dev, rows):
+                    store.version += 1
                     return
         if ids is None:  # narrow rows: the repeat check below also reads the ids on the host
             ids = dev_ids.cpu().numpy()
