@@ -211,7 +211,7 @@ def bench_train(name: str, mod, optim: str, rows: int, dim: int, steps: int,
             s.afterOptimizerStep(*args[j])
         losses.append(loss.detach())
 
-    for i in range(5):
+    for i in range(20):  # warm-up: kernels compiled, backend choices made
         step(i)
     _sync()
     prof = None
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         return 2
     rows = args.rows or (1_000_000 if args.quick else 10_000_000)
     repeats = args.repeats or (5 if args.quick else 15)
-    steps = args.steps or (30 if args.quick else 100)
+    steps = args.steps or (30 if args.quick else 200)
     warnings.simplefilter("ignore")
     import stpipe
     import stpipe.compat.speedtorch as compat
