@@ -894,3 +894,25 @@ def test_fused_state_moves_bit_identical_to_unfused(monkeypatch, device, opt_nam
     assert fused.keys() == plain.keys()
     for key in plain:
         np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_switchers_and_their_tables_are_freed_when_dropped(device):
+    """Nothing in the compat layer keeps a dropped model, its switchers or their tables
+    alive (the fused moves' registry of optimizer switchers is weak both ways)."""
+    import gc
+    import weakref
+
+    model = SkipGram(4, 4 * 5, 8).to(device)
+    sw = SpeedTorch.ModelFactory(model.v_embeddings, 40, 8, CPUPinn=True)
+    sw.zerosInit()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    osw = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "v_embeddings", CPUPinn=True)
+    osw.optInit()
+    v, neg = np.arange(8).reshape(4, 2), np.arange(8, 20).reshape(4, 3)
+    sw.beforeForwardPass(v, neg)
+    osw.beforeForwardPass(v, neg)
+    refs = [weakref.ref(x) for x in (sw, osw, sw._store, *osw._tables.values(), model)]
+    del model, sw, osw, opt
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)

@@ -67,6 +67,7 @@ import importlib.util
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -825,8 +826,16 @@ def _fusable(stores: List[Any], device: torch.device) -> bool:
     return tables[0].device == device and _fused_mover(tables) is not None
 
 
-#: the optimizer switcher that holds a parameter's per-row state (set by optInit)
+#: a weak reference to the optimizer switcher that holds a parameter's per-row state
+#: (set by optInit). Weak both ways: the switcher refers to the model, hence to the
+#: parameter, so a strong value would keep the key, the switcher and its tables alive
+#: for ever.
 _opt_switch_of: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _opt_switch(param: torch.Tensor) -> Optional["_OptimizerSwitch"]:
+    ref = _opt_switch_of.get(param)
+    return ref() if ref is not None else None
 
 #: the last layout computed for each parameter (shared by its model and optimizer switchers)
 _layouts: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -1035,7 +1044,7 @@ class _ModelSwitch(_TableSwitch):
         store = self._require()
         w = _weight_of(self.model_variable)
         lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
-        opt = _opt_switch_of.get(w)
+        opt = _opt_switch(w)
         state_stores = list(opt._tables.values()) if opt is not None and opt._tables else []
         stores = [store] + state_stores
         if _fusable(stores, w.device):
@@ -1358,7 +1367,7 @@ class _OptimizerSwitch:
                 store.fill_(value)
             tables[key] = store
         self._tables = tables
-        _opt_switch_of[self._param] = self
+        _opt_switch_of[self._param] = weakref.ref(self)
 
     def _require(self) -> Dict[str, Union[_TensorStore, _HostStore]]:
         if self._tables is None:
@@ -1421,7 +1430,7 @@ class _OptimizerSwitch:
         for store in (self._tables or {}).values():
             store.close()
         self._tables = None
-        if _opt_switch_of.get(self._param) is self:
+        if _opt_switch(self._param) is self:
             del _opt_switch_of[self._param]
 
 
