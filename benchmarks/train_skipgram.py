@@ -493,11 +493,20 @@ def main(argv=None) -> int:
                     "compat_sgd,compat_adam,stpipe_depth0,stpipe_depth1,profile")
     ap.add_argument("--backend", default=None, help="stpipe HostTable backend (default: auto)")
     ap.add_argument("--trace", default=None, help="method 'trace' writes torch.profiler / cProfile tables here")
+    ap.add_argument("--uva-blocks-per-sm", type=int, default=None,
+                    help="experiment: cap the UVA row kernels' grid at this many blocks per "
+                         "multiprocessor (default: stpipe's, 32)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rows = min(args.rows, 100_000)
         args.steps = min(args.steps, 20)
         args.warmup = min(args.warmup, 3)
+    if args.uva_blocks_per_sm is not None:
+        if args.uva_blocks_per_sm < 1:
+            raise SystemExit(f"--uva-blocks-per-sm: expected >= 1, got {args.uva_blocks_per_sm}")
+        import stpipe.kernels._cupy as _kc
+
+        _kc.BLOCKS_PER_SM = args.uva_blocks_per_sm
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "train_skipgram.log") if args.out else None)
@@ -508,7 +517,7 @@ def main(argv=None) -> int:
         "ids": "Zipf(1.2)", "steps": args.steps, "warmup": args.warmup, "device": str(dev),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "torch": torch.__version__, "python": platform.python_version(),
-        "table_gb_each": args.rows * DIM * 4 / 1e9,
+        "table_gb_each": args.rows * DIM * 4 / 1e9, "uva_blocks_per_sm": args.uva_blocks_per_sm,
     }
     log("== skip-gram benchmark", json.dumps(info))
     t0 = time.perf_counter()

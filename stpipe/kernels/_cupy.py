@@ -182,10 +182,15 @@ def word_bytes(rb: int, *ptrs: int) -> int:
     raise StpipeRuntimeError(f"rows of {rb} bytes or pointers {ptrs} are not 2-byte aligned")
 
 
+#: the grid cap of the row kernels, in blocks per multiprocessor (they grid-stride, so
+#: any cap is correct; a module constant so that benchmarks can try others)
+BLOCKS_PER_SM = 32
+
+
 def launch_shape(total: int, sm_count: int) -> Tuple[int, int]:
     """``(blocks, threads)`` for ``total`` words: enough blocks to keep many PCIe reads in
-    flight, capped at 32 per multiprocessor (the kernels grid-stride)."""
-    blocks = min(-(-total // THREADS), max(1, sm_count) * 32)
+    flight, capped at :data:`BLOCKS_PER_SM` per multiprocessor (the kernels grid-stride)."""
+    blocks = min(-(-total // THREADS), max(1, sm_count) * BLOCKS_PER_SM)
     return max(1, blocks), THREADS
 
 
