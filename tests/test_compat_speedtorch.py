@@ -916,3 +916,36 @@ def test_switchers_and_their_tables_are_freed_when_dropped(device):
     del model, sw, osw, opt
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+@pytest.mark.parametrize("with_neg", [False, True])
+def test_id_buffer_reused_and_mutated_in_place(with_neg):
+    """A batch whose ids come in the same numpy buffer as the last one, refilled in place,
+    gets its own rows (the layout of the last batch is reused only when the ids match,
+    part by part); the same ids in new arrays reuse it and give the same rows."""
+    emb = torch.nn.Embedding(6, 4)
+    sw = SpeedTorch.ModelFactory(emb, 50, 4)
+    sw.uniformDistributionInit(-1.0, 1.0)
+    table = sw.getNumpyVersion()
+    pos = np.array([[3, 7], [9, 1]])
+    neg = np.array([[20], [21]]) if with_neg else None
+    args = (pos, neg) if with_neg else (pos,)
+
+    def want():
+        ids = np.concatenate([pos.ravel()] + ([neg.ravel()] if with_neg else []))
+        return table[ids]
+
+    sw.beforeForwardPass(*args)
+    np.testing.assert_array_equal(emb.weight.detach().numpy(), want())
+    pos[:] = [[11, 12], [13, 14]]  # refilled in place: new ids, same objects
+    if with_neg:
+        neg[:] = [[30], [31]]
+    sw.beforeForwardPass(*args)
+    np.testing.assert_array_equal(emb.weight.detach().numpy(), want())
+    again = (pos.copy(), neg.copy()) if with_neg else (pos.copy(),)
+    sw.beforeForwardPass(*again)
+    np.testing.assert_array_equal(emb.weight.detach().numpy(), want())
+    if with_neg:  # the same flat ids split differently between pos and neg: still the same rows
+        flat = np.concatenate([pos.ravel(), neg.ravel()])
+        sw.beforeForwardPass(flat[:3].reshape(1, 3), flat[3:].reshape(1, 3))
+        np.testing.assert_array_equal(emb.weight.detach().numpy(), want())

@@ -665,9 +665,19 @@ class _Layout:
         """Rows the model variable holds for this batch."""
         return self.k if self.compact else self.n
 
-    def matches(self, flat: np.ndarray, num_rows: int, dedup: bool) -> bool:
-        return (num_rows == self.num_rows and dedup == self.dedup
-                and flat.shape == self.ids.shape and np.array_equal(flat, self.ids))
+    def matches(self, pos: Any, neg: Any, num_rows: int, dedup: bool) -> bool:
+        """Whether ``pos`` then ``neg`` (flattened) are this layout's ids, compared part
+        by part (no concatenated copy: most calls of a step find the layout its first
+        call made)."""
+        if num_rows != self.num_rows or dedup != self.dedup:
+            return False
+        a = as_index_array(pos).reshape(-1)
+        na = a.shape[0]
+        if neg is None:
+            return na == self.n and np.array_equal(a, self.ids)
+        b = as_index_array(neg).reshape(-1)
+        return (na + b.shape[0] == self.n and np.array_equal(a, self.ids[:na])
+                and np.array_equal(b, self.ids[na:]))
 
     def last_pos(self) -> np.ndarray:
         """``(k,)`` position of the last occurrence of each unique id."""
@@ -846,10 +856,10 @@ _dedup_of: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int) -> _Layout:
     """The layout of these ids for ``param``; reuses the last one when the ids match."""
     dedup = _dedup_of.get(param, True)
-    flat = _flat_ids(pos, neg, num_rows)
     last = _layouts.get(param)
-    if last is not None and last.matches(flat, num_rows, dedup):
+    if last is not None and last.matches(pos, neg, num_rows, dedup):
         return last
+    flat = _flat_ids(pos, neg, num_rows)
     try:
         lay = _Layout(flat, num_rows, dedup)
     except StpipeIndexError:
@@ -1032,6 +1042,11 @@ class _ModelSwitch(_TableSwitch):
         flattened. Without duplicates, weight row ``j`` holds the ``j``-th id (as in
         SpeedTorch). With duplicates the weight holds the unique rows (ascending) and
         the module's forward remaps dummy positions onto them (see the module docs).
+
+        With a pinned table (CuPy present) and an :class:`OptimizerFactory` of the same
+        weight, the optimizer's state rows of the batch come in the same UVA launch; that
+        switcher's ``beforeForwardPass`` then installs them instead of reading its
+        tables again (unless they were written since).
 
         Streams: the gather runs on the current stream of the weight's device (a host
         table first waits, by event, for its last scatter); nothing syncs the device.
@@ -1399,7 +1414,9 @@ class _OptimizerSwitch:
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Write the per-row state rows of the batch back to their tables (each unique id
-        once). Keys the optimizer has not created (no step yet) are skipped.
+        once). Keys the optimizer has not created (no step yet) are skipped. State rows
+        installed from the model switcher's fused gather, still in the optimizer's state
+        as installed, go back in one launch for all keys.
 
         Raises:
             IndexError: an id outside ``[0, total_classes)``.
