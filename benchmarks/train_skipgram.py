@@ -33,7 +33,13 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   interval, an experiment) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
   tables written to ``--trace DIR``, default ``OUT/trace``) and ``trace0`` (depth 0 under
   cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``) and
-  ``trace_prefetch`` (depth 1 with only the prefetch thread under cProfile; ``DIR/prefetch``).
+  ``trace_prefetch`` (depth 1 with the profiler started in the prefetch thread;
+  ``DIR/prefetch``; on the H200 host's Python 3.12 its table also held the training
+  thread's calls, so it shows both threads together).
+
+``--isolate`` runs each method in a fresh process (same batches) and reports them
+together: no row then runs after another method in the same process (in one experiment
+the same configuration ran 1.31x slower after the ceiling rows than alone).
 
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``).
@@ -438,6 +444,44 @@ def _profiled(fn, out_dir):
     return wrapped
 
 
+def _run_isolated(args, methods: List[str], log) -> Dict[str, Any]:
+    """``--isolate``: each method in a fresh ``python train_skipgram.py`` process (the same
+    arguments, one method), its results read back from its JSON; a process that fails is
+    reported as that method's error."""
+    import subprocess
+    import tempfile
+
+    results: Dict[str, Any] = {}
+    for m in methods:
+        with tempfile.TemporaryDirectory(dir=args.out) as d:
+            cmd = [sys.executable, os.path.abspath(__file__), "--rows", str(args.rows),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--methods", m,
+                   "--out", d]
+            if args.quick:
+                cmd.append("--quick")
+            if args.backend is not None:
+                cmd += ["--backend", args.backend]
+            if args.trace is not None:
+                cmd += ["--trace", args.trace]
+            if args.uva_blocks_per_sm is not None:
+                cmd += ["--uva-blocks-per-sm", str(args.uva_blocks_per_sm)]
+            log(f"-- {m} (own process)")
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            path = os.path.join(d, "train_skipgram.json")
+            if proc.returncode != 0 or not os.path.exists(path):
+                tail = (proc.stdout + proc.stderr)[-2000:]
+                results[m] = {"error": f"process exited {proc.returncode}: {tail}"}
+                log(f"   {m} failed: exit {proc.returncode}")
+                continue
+            with open(path) as f:
+                got = json.load(f)["results"]
+            for name, r in got.items():
+                r.pop("ratio_to_ceiling", None)
+                results[name] = r
+                log(f"   {json.dumps({k: v for k, v in r.items() if k != 'traceback'})}")
+    return results
+
+
 class _Tracer:
     """torch.profiler (CPU + CUDA activity) and cProfile of the training thread."""
 
@@ -493,6 +537,9 @@ def main(argv=None) -> int:
                     "compat_sgd,compat_adam,stpipe_depth0,stpipe_depth1,profile")
     ap.add_argument("--backend", default=None, help="stpipe HostTable backend (default: auto)")
     ap.add_argument("--trace", default=None, help="method 'trace' writes torch.profiler / cProfile tables here")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run each method in its own fresh process (same batches: same seed) "
+                         "and report them together, so no row runs after another in one process")
     ap.add_argument("--uva-blocks-per-sm", type=int, default=None,
                     help="experiment: cap the UVA row kernels' grid at this many blocks per "
                          "multiprocessor (default: stpipe's, 32)")
@@ -528,7 +575,9 @@ def main(argv=None) -> int:
     results: Dict[str, Any] = {}
     st = None
     trace_dir = args.trace or os.path.join(args.out or ".", "trace")
-    for m in methods:
+    if args.isolate:
+        results = _run_isolated(args, methods, log)
+    for m in ([] if args.isolate else methods):
         reset_gpu(dev)
         log(f"-- {m}")
         try:
