@@ -712,8 +712,9 @@ class _Layout:
                                                     self._dev[("unique", str(device))])
             got = self._dev.get(key)
         if got is None:
-            src = {"inverse": self.inverse, "last": self.last_pos(), "ids": self.ids,
-                   "unique": self.unique}[name]
+            # only the array asked for (``last`` costs a pass over the ids when first made)
+            src = self.last_pos() if name == "last" else {"inverse": self.inverse, "ids": self.ids,
+                                                           "unique": self.unique}[name]
             got = _ids_tensor(src, device)
             self._dev[key] = got
         return got
@@ -1536,34 +1537,31 @@ def _increasing(flat: np.ndarray) -> bool:
     return flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1]))
 
 
-def _distinct(flat: np.ndarray, num_rows: int, ids_dev: Optional[torch.Tensor] = None,
-              increasing: Optional[bool] = None) -> bool:
-    """True when the ``(n,)`` checked ids hold no repeat.
+def _distinct(flat: np.ndarray, num_rows: int, ids_dev: Optional[torch.Tensor] = None) -> bool:
+    """True when the ``(n,)`` checked ids hold no repeat (callers pass strictly increasing
+    ids by first, :func:`_increasing`).
 
-    Strictly increasing ids pass at once (``increasing``: that test's answer, when the
-    caller has it). Otherwise, ids already on the GPU (a GPU-resident
-    table) are sorted there and one flag is read back (a wait on the current stream, not
-    the device: measured faster than the host pass for 131,072 ids over 10M rows); host
-    ids get the compiled planner's O(n) bitmap pass, which never waits on the device.
+    Ids already on the GPU (a GPU-resident table) are sorted there and one flag is read
+    back (a wait on the current stream, not the device: measured faster than the host
+    pass for 131,072 ids over 10M rows); host ids get the compiled planner's O(n) bitmap
+    pass, which never waits on the device.
     """
-    if _increasing(flat) if increasing is None else increasing:
-        return True
     if ids_dev is not None:
         s = torch.sort(ids_dev).values
         return not bool((s[1:] == s[:-1]).any())  # reads one flag back
     return first_repeat(flat, num_rows) < 0
 
 
-def _checked(flat: np.ndarray, store: Any, increasing: Optional[bool] = None) -> Any:
+def _checked(flat: np.ndarray, store: Any, sorted_: Optional[bool] = None) -> Any:
     """Ids already range-checked here, as a host table takes them without a second check
-    (``increasing``: whether they are strictly increasing, when the caller knows; spares
-    the table's own sortedness pass)."""
+    (``sorted_``: whether they are sorted, when the caller knows; spares the table's own
+    sortedness pass)."""
     if not isinstance(store, _HostStore):
         return flat
     host = np.ascontiguousarray(flat, dtype=np.int64)
-    if increasing:
-        return IndexBatch(host=host, is_sorted=True, checked_rows=store.num_rows)
-    return IndexBatch.of(host, checked_rows=store.num_rows)
+    if sorted_ is None:
+        return IndexBatch.of(host, checked_rows=store.num_rows)
+    return IndexBatch(host=host, is_sorted=sorted_, checked_rows=store.num_rows)
 
 
 def _device_ids(indexes: Any, num_rows: int, check: bool = True) -> Optional[torch.Tensor]:
@@ -1749,7 +1747,8 @@ class DataGadget:
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         if increasing is None:
             increasing = _increasing(flat)
-        if _distinct(flat, store.num_rows, ids_dev, increasing):
+        if increasing or _distinct(flat, store.num_rows, ids_dev):
+            # distinct ids are sorted exactly when strictly increasing
             store.scatter(_checked(flat, store, increasing), rows, ids_dev)
         else:
             _Layout(flat, store.num_rows, dedup=False).scatter(store, rows)
