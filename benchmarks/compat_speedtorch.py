@@ -46,7 +46,7 @@ import warnings
 import numpy as np
 import torch
 
-from stpipe._bench import _speedtorch_step_fix
+from stpipe._bench import _cprofile_tables, _speedtorch_step_fix
 
 
 def _sync() -> None:
@@ -241,16 +241,11 @@ def bench_train(name: str, mod, optim: str, rows: int, dim: int, steps: int,
 
 def _write_profile(prof, out_dir: str, tag: str, steps: int) -> None:
     """cProfile tables of the timed steps: by cumulative and by own time."""
-    import io
-    import pstats
-
     os.makedirs(out_dir, exist_ok=True)
     for key in ("cumulative", "tottime"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(60)
         with open(os.path.join(out_dir, f"profile_{tag}_{key}.txt"), "w") as f:
             f.write(f"# {tag}: {steps} timed steps under cProfile, sorted by {key}\n")
-            f.write(buf.getvalue())
+            f.write(_cprofile_tables(prof, (key,)))
 
 
 # ---------------------------------------------------------------------------------------

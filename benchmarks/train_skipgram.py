@@ -71,7 +71,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stpipe._bench import _speedtorch_step_fix
+from stpipe._bench import _cprofile_tables, _speedtorch_step_fix
 
 BATCH, POS, NEG, DIM, LR = 512, 4, 64, 128, 1e-3
 
@@ -421,12 +421,11 @@ class _Stpipe:
 
 
 def _profiled(fn, out_dir):
-    """``fn`` run under its own cProfile (cProfile follows one thread); on return the
-    tables go to ``out_dir/prefetch_cprofile.txt``."""
+    """``fn`` run with a cProfile started in its thread (on Python 3.12 the table also
+    held other threads' calls); on return the tables go to
+    ``out_dir/prefetch_cprofile.txt``."""
     def wrapped(*a, **k):
         import cProfile
-        import io
-        import pstats
 
         cp = cProfile.Profile()
         cp.enable()
@@ -435,12 +434,8 @@ def _profiled(fn, out_dir):
         finally:
             cp.disable()
             os.makedirs(out_dir, exist_ok=True)
-            s = io.StringIO()
-            st = pstats.Stats(cp, stream=s)
-            st.sort_stats("tottime").print_stats(60)
-            st.sort_stats("cumtime").print_stats(60)
             with open(os.path.join(out_dir, "prefetch_cprofile.txt"), "w") as f:
-                f.write(s.getvalue())
+                f.write(_cprofile_tables(cp))
     return wrapped
 
 
@@ -499,9 +494,6 @@ class _Tracer:
         self.cp.enable()
 
     def finish(self, out_dir):
-        import io
-        import pstats
-
         self.cp.disable()
         os.makedirs(out_dir, exist_ok=True)
         if self.prof is not None:
@@ -517,12 +509,8 @@ class _Tracer:
                 self.prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
             except Exception:
                 pass
-        s = io.StringIO()
-        st = pstats.Stats(self.cp, stream=s)
-        st.sort_stats("tottime").print_stats(90)
-        st.sort_stats("cumtime").print_stats(90)
         with open(os.path.join(out_dir, "trace_cprofile.txt"), "w") as f:
-            f.write(s.getvalue())
+            f.write(_cprofile_tables(self.cp, limit=90))
 
 
 # ------------------------------------------------------------------------------ main
@@ -615,7 +603,7 @@ def main(argv=None) -> int:
                 results[m] = st.run(args, dev, batches, 0, trace_ops=False,
                                     trace=os.path.join(trace_dir, "depth0"))
             elif m == "trace_prefetch":
-                # depth 1 with the prefetch thread under cProfile (the training thread not)
+                # depth 1 with cProfile started in the prefetch thread
                 if st is None:
                     st = _Stpipe(args, dev)
                 results[m] = st.run(args, dev, batches, 1,

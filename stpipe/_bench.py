@@ -115,6 +115,19 @@ def _speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
             st["step"] = torch.tensor(float(st["step"]))
 
 
+def _cprofile_tables(prof: Any, keys: tuple = ("tottime", "cumtime"), limit: int = 60) -> str:
+    """A ``cProfile.Profile``'s tables as text, one sorted by each of ``keys`` (the
+    benchmarks' profiling options share it)."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    for key in keys:
+        st.sort_stats(key).print_stats(limit)
+    return buf.getvalue()
+
+
 def _gadgets(table, folder: str, log, speedtorch: bool = True) -> Dict[str, Any]:
     """SpeedTorch's ``DataGadget(CPUPinn=True)`` over a copy of ``table`` (when SpeedTorch
     imports and ``speedtorch``), and the same call through ``stpipe.compat.speedtorch``:
