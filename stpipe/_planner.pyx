@@ -74,6 +74,49 @@ def first_out_of_range(const index_t[::1] ids not None, int64_t num_rows):
     return pos
 
 
+cdef inline Py_ssize_t _scan_ids(const index_t[::1] ids, int64_t num_rows, int* order) noexcept nogil:
+    """:func:`_first_out_of_range` and the ids' order: ``order`` is set to 2 (strictly
+    increasing), 1 (non-decreasing) or 0 (neither).
+
+    Ordered ids (the usual case: planned, ``np.unique``-d) take one pass of neighbour
+    comparisons, whose branch is always predicted, and an O(1) range check of their
+    ends; the min/max pass runs only for unordered ids, which leave the first loop at
+    their first step down.
+    """
+    cdef Py_ssize_t i = 1, n = ids.shape[0]
+    order[0] = 2
+    if n == 0:
+        return -1
+    while i < n and ids[i] > ids[i - 1]:
+        i += 1
+    if i < n:
+        order[0] = 1
+        while i < n and ids[i] >= ids[i - 1]:
+            i += 1
+        if i < n:
+            order[0] = 0
+            return _first_out_of_range(ids, num_rows)
+    if ids[0] >= 0 and ids[n - 1] < num_rows:
+        return -1
+    return _first_out_of_range(ids, num_rows)
+
+
+def scan_ids(const index_t[::1] ids not None, int64_t num_rows):
+    """Return ``(first, order)``: the position of the first id outside ``[0, num_rows)``
+    (or -1) and the ids' order, 2 (strictly increasing, so distinct), 1 (non-decreasing)
+    or 0 (neither), from one pass with the GIL released.
+
+    Args:
+        ids: ``(n,)`` int32 or int64, C-contiguous.
+        num_rows: the table's row count.
+    """
+    cdef Py_ssize_t pos
+    cdef int order = 2
+    with nogil:
+        pos = _scan_ids(ids, num_rows, &order)
+    return pos, order
+
+
 cdef inline Py_ssize_t _first_repeat(const index_t[::1] ids, unsigned char* seen) noexcept nogil:
     """Position of the first id seen before it in ``ids`` (``seen``: a zeroed bitmap)."""
     cdef Py_ssize_t i, n = ids.shape[0]

@@ -46,7 +46,7 @@ from ._errors import (
     StpipeValueError,
 )
 from .kernels import BACKENDS, SUPPORTED_DTYPES, IndexBatch, get_backend
-from .planner import check_ids
+from .planner import check_ids, first_repeat, scan_ids
 
 __all__ = ["HostTable"]
 
@@ -682,16 +682,21 @@ class HostTable:
 
     # -- movement --------------------------------------------------------------------
     def _ids(self, ids: Any) -> IndexBatch:
+        return self._ids_known(ids)[0]
+
+    def _ids_known(self, ids: Any) -> Tuple[IndexBatch, bool]:
+        """``(batch, distinct)``: the checked ids, and True when they are known to hold
+        no repeat (strictly increasing, seen in the checking pass)."""
         if isinstance(ids, IndexBatch):
             if ids.checked_rows == self.num_rows:
-                return ids
+                return ids, False
             # the pipeline builds one per batch and table from plan.unique and shares it
             # between the table and its optimizer-state tables, so the ids are sort-checked
             # and uploaded once; the range check against this table stays (O(1) when sorted)
             if not ids.is_sorted or (len(ids) and (ids.host[0] < 0 or ids.host[-1] >= self.num_rows)):
                 check_ids(ids.host, self.num_rows)  # raises with the first bad id
-            return ids
-        arr = check_ids(ids, self.num_rows)
+            return ids, False
+        arr, order = scan_ids(ids, self.num_rows)  # range and sortedness in one pass
         if arr.ndim != 1:
             raise StpipeValueError(
                 f"expected 1-d ids (n,), got shape {arr.shape}; pass "
@@ -699,7 +704,8 @@ class HostTable:
             )
         host = arr.astype(np.int64, copy=False)
         dev = ids if isinstance(ids, torch.Tensor) and ids.device.type == "cuda" else None
-        return IndexBatch.of(host, device_ids=dev)
+        return (IndexBatch(host=host, device_ids=dev, is_sorted=order > 0, checked_rows=self.num_rows),
+                order == 2)
 
     def _check_rows(self, name: str, t: Any, n: int) -> None:
         if not isinstance(t, torch.Tensor):
@@ -793,10 +799,10 @@ class HostTable:
                 device.
         """
         self._check_open()
-        batch = self._ids(ids)
+        batch, distinct = self._ids_known(ids)
         n = len(batch)
         self._check_rows("rows", rows, n)
-        if not assume_unique:
+        if not (assume_unique or distinct):
             _check_unique(batch)
         if n == 0:
             return
@@ -1072,11 +1078,17 @@ def _check_unique(batch: IndexBatch) -> None:
         if not same.any():
             return
         value = int(host[int(np.argmax(same))])
-    else:
-        uniq, counts = np.unique(host, return_counts=True)
-        if uniq.shape[0] == host.shape[0]:
+    else:  # an O(n) bitmap pass (the ids were range-checked against the table)
+        again = first_repeat(host, batch.checked_rows) if batch.checked_rows > 0 else -1
+        if batch.checked_rows <= 0:
+            uniq, counts = np.unique(host, return_counts=True)
+            if uniq.shape[0] == host.shape[0]:
+                return
+            value = int(uniq[int(np.argmax(counts > 1))])
+        elif again < 0:
             return
-        value = int(uniq[int(np.argmax(counts > 1))])
+        else:
+            value = int(host[again])
     pos = np.flatnonzero(host == value)[:2].tolist()
     raise StpipeValueError(
         f"expected unique ids for scatter, got id {value} twice (positions {pos[0]} and "

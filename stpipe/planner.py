@@ -33,7 +33,8 @@ import numpy as np
 
 from ._errors import StpipeIndexError, StpipeTypeError, StpipeValueError
 
-__all__ = ["Plan", "plan", "overlap", "implementation", "check_ids", "as_index_array", "first_repeat"]
+__all__ = ["Plan", "plan", "overlap", "implementation", "check_ids", "as_index_array", "first_repeat",
+           "scan_ids"]
 
 try:  # the compiled planner; absent when the package was not built
     from . import _planner as _compiled
@@ -205,6 +206,43 @@ def check_ids(ids: Any, num_rows: int) -> np.ndarray:
     if pos >= 0:
         _raise_out_of_range(arr, flat, pos, num_rows)
     return arr
+
+
+def _order_numpy(flat: np.ndarray) -> int:
+    """Pure-numpy twin of the order half of :func:`stpipe._planner.scan_ids` (ids already
+    range-checked, so neighbour differences cannot overflow)."""
+    if flat.shape[0] < 2:
+        return 2
+    d = flat[1:] - flat[:-1]
+    if bool((d > 0).all()):
+        return 2
+    return 1 if bool((d >= 0).all()) else 0
+
+
+def scan_ids(ids: Any, num_rows: int) -> tuple[np.ndarray, int]:
+    """:func:`check_ids` and the ids' order, from one compiled pass over them.
+
+    Returns:
+        ``(arr, order)``: the checked ids (as :func:`check_ids` returns them) and their
+        order in flattened form, 2 (strictly increasing, hence distinct), 1
+        (non-decreasing) or 0 (neither). Callers that would test sortedness after the
+        range check (a host table, the SpeedTorch ``DataGadget``) read it here instead of
+        making a second pass.
+
+    Raises:
+        As :func:`check_ids`.
+    """
+    num_rows = _check_num_rows(num_rows)
+    arr = as_index_array(ids)
+    flat = arr.reshape(-1)
+    if implementation() == "cython":
+        pos, order = _compiled.scan_ids(flat, num_rows)
+    else:
+        pos = _first_out_of_range_numpy(flat, num_rows)
+        order = _order_numpy(flat) if pos < 0 else 0
+    if pos >= 0:
+        _raise_out_of_range(arr, flat, pos, num_rows)
+    return arr, int(order)
 
 
 def _first_repeat_numpy(flat: np.ndarray) -> int:

@@ -394,7 +394,11 @@ def test_scatter_duplicates():
     with pytest.raises(ValueError, match=r"id 3 twice \(positions 1 and 2\)"):
         t.scatter([1, 3, 3], torch.zeros(3, 4))  # sorted: adjacent compare
     with pytest.raises(ValueError, match=r"id 5 twice \(positions 0 and 2\)"):
-        t.scatter([5, 1, 5], torch.zeros(3, 4))  # unsorted: np.unique
+        t.scatter([5, 1, 5], torch.zeros(3, 4))  # unsorted: the bitmap pass
+    with pytest.raises(ValueError, match=r"id 9 twice \(positions 0 and 2\)"):
+        t.scatter([9, 4, 9, 4], torch.zeros(4, 4))  # the first id seen again is named
+    with pytest.raises(ValueError, match=r"id 6 twice \(positions 1 and 2\)"):
+        t.scatter(np.array([0, 6, 6]), torch.zeros(3, 4))  # non-decreasing
     assert torch.equal(t.tensor(), before)  # nothing written
     t.scatter([5, 1], torch.ones(2, 4), assume_unique=True)
     assert torch.all(t.tensor()[[1, 5]] == 1)

@@ -246,3 +246,51 @@ def test_first_repeat_checks_ids():
         planner.first_repeat(np.array([0.5]), 5)
     assert planner.first_repeat([3, 1, 3], 4) == 2
     assert planner.first_repeat([], 4) == -1
+
+
+def _order_by_definition(flat: np.ndarray) -> int:
+    d = np.diff(flat.astype(np.int64))
+    return 2 if (d > 0).all() else (1 if (d >= 0).all() else 0)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ids=hnp.arrays(np.int64, st.integers(0, 300), elements=st.integers(-3, 202)),
+    sort=st.sampled_from(["none", "sorted", "unique"]),
+    dtype=st.sampled_from([np.int32, np.int64]),
+)
+def test_scan_ids_matches_check_ids_and_definition(ids, sort, dtype):
+    """One pass gives check_ids' answer (the same first bad id) and the ids' order, in
+    the compiled scan and its numpy twin, for ordered ids (whose range check looks at
+    the ends only) and unordered ones."""
+    ids = {"none": ids, "sorted": np.sort(ids), "unique": np.unique(ids)}[sort].astype(dtype)
+    want_err = None
+    try:
+        planner.check_ids(ids, 200)
+    except IndexError as exc:
+        want_err = str(exc)
+    for impl in IMPLS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("STPIPE_PLANNER", impl)
+            if want_err is not None:
+                with pytest.raises(IndexError) as got:
+                    planner.scan_ids(ids, 200)
+                assert str(got.value) == want_err
+                continue
+            arr, order = planner.scan_ids(ids, 200)
+            assert arr.dtype == dtype and np.array_equal(arr, ids)
+            assert order == _order_by_definition(ids), (impl, ids, order)
+
+
+@pytest.mark.parametrize("ids,order", [
+    ([], 2), ([7], 2), ([1, 2, 9], 2), ([1, 1, 2], 1), ([4, 4], 1), ([2, 1], 0), ([1, 3, 2], 0),
+])
+def test_scan_ids_order_cases(impl, ids, order):
+    assert planner.scan_ids(np.array(ids, dtype=np.int64), 10)[1] == order
+
+
+@pytest.mark.parametrize("ids,pos", [([-1, 2, 3], 0), ([1, 2, 10], 2), ([3, 3, 12], 2),
+                                     ([5, 11, 2], 1), ([5, 2, -4], 2)])
+def test_scan_ids_names_first_bad_id(impl, ids, pos):
+    with pytest.raises(IndexError, match=f"position {pos} is out of range"):
+        planner.scan_ids(np.array(ids), 10)

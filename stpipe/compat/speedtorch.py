@@ -84,7 +84,7 @@ from .._errors import (
     StpipeValueError,
 )
 from ..kernels import IndexBatch
-from ..planner import _check_tensor_dtype, as_index_array, check_ids, first_repeat, plan
+from ..planner import _check_tensor_dtype, as_index_array, check_ids, first_repeat, plan, scan_ids
 
 __all__ = [
     "ModelFactory",
@@ -1611,12 +1611,14 @@ def _last_wins() -> Any:
     return _cupy_backend()
 
 
-def _gadget_ids(indexes: Any, num_rows: int) -> np.ndarray:
-    """CuPy-style indexes (array, list, tensor, int, slice) → checked ids of their shape."""
+def _gadget_ids(indexes: Any, num_rows: int) -> Tuple[np.ndarray, int]:
+    """CuPy-style indexes (array, list, tensor, int, slice) → ``(checked ids of their
+    shape, order)``; ``order`` as :func:`stpipe.planner.scan_ids` gives it (2: strictly
+    increasing, 1: non-decreasing, 0: neither), found in the checking pass."""
     if isinstance(indexes, slice):
-        return np.arange(*indexes.indices(num_rows), dtype=np.int64)
-    arr = as_index_array(indexes)
-    return check_ids(arr, num_rows)
+        arr = np.arange(*indexes.indices(num_rows), dtype=np.int64)
+        return arr, (2 if arr.shape[0] < 2 or indexes.indices(num_rows)[2] > 0 else 0)
+    return scan_ids(indexes, num_rows)
 
 
 class DataGadget:
@@ -1676,14 +1678,14 @@ class DataGadget:
             IndexError: an id out of range. TypeError: non-integer ids.
         """
         store = self._require()
-        ids, dev_ids = self._ids(indexes, store)
+        ids, dev_ids, order = self._ids(indexes, store)
         if ids is None:  # GPU ids: checked there, one gather, no host round trip
             flat_dev = dev_ids.reshape(-1)
             rows = (store.t.index_select(0, flat_dev) if isinstance(store, _TensorStore)
                     else store.table._gather_device(flat_dev))
             return rows.view(tuple(dev_ids.shape) + self._shape[1:])
         flat = ids.reshape(-1).astype(np.int64, copy=False)
-        rows = store.gather(_checked(flat, store), self._device())
+        rows = store.gather(_checked(flat, store, order > 0), self._device())
         return rows.view(tuple(ids.shape) + self._shape[1:])
 
     def insertData(self, dataObject: Any, indexes: Any) -> None:
@@ -1708,7 +1710,7 @@ class DataGadget:
         # a GPU table whose kernels range-check the ids takes GPU ids unchecked (the
         # check then costs no separate pass or wait before the write)
         in_kernel = isinstance(store, _TensorStore) and store.stamps_fit() and store.checks_in_kernel()
-        ids, dev_ids = self._ids(indexes, store, check=not in_kernel)
+        ids, dev_ids, order = self._ids(indexes, store, check=not in_kernel)
         shape = tuple(dev_ids.shape) if ids is None else ids.shape
         if not isinstance(dataObject, torch.Tensor):
             dataObject = (torch.from_dlpack(dataObject) if hasattr(dataObject, "__dlpack__")
@@ -1723,7 +1725,8 @@ class DataGadget:
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
         ids_dev = None
-        increasing: Optional[bool] = None  # ids strictly increasing (asked once)
+        # ids strictly increasing (found by the checking pass; GPU ids: not asked yet)
+        increasing: Optional[bool] = None if ids is None else order == 2
         if isinstance(store, _TensorStore) and store.device.type == "cuda":
             ids_dev = (dev_ids.reshape(-1) if ids is None
                        else _ids_tensor(ids.reshape(-1).astype(np.int64, copy=False), store.device))
@@ -1734,7 +1737,6 @@ class DataGadget:
             # a pinned table with UVA kernels: repeats resolved on the GPU by a sort (no
             # host pass over the ids, no sync); ids already sorted and distinct skip it
             flat = None if ids is None else ids.reshape(-1).astype(np.int64, copy=False)
-            increasing = None if flat is None else _increasing(flat)
             if flat is None or not increasing:
                 ids_dev = dev_ids.reshape(-1) if flat is None else _ids_tensor(flat, store.device)
                 rows = rows.detach().to(device=store.device, dtype=store.dtype)
@@ -1743,10 +1745,8 @@ class DataGadget:
                     return
         if ids is None:  # narrow rows: the repeat check below also reads the ids on the host
             ids = dev_ids.cpu().numpy()
-            increasing = None
+            increasing = _increasing(ids.reshape(-1))
         flat = ids.reshape(-1).astype(np.int64, copy=False)
-        if increasing is None:
-            increasing = _increasing(flat)
         if increasing or _distinct(flat, store.num_rows, ids_dev):
             # distinct ids are sorted exactly when strictly increasing
             store.scatter(_checked(flat, store, increasing), rows, ids_dev)
@@ -1759,19 +1759,22 @@ class DataGadget:
 
     @staticmethod
     def _ids(indexes: Any, store: Any, check: bool = True
-             ) -> Tuple[Optional[np.ndarray], Optional[torch.Tensor]]:
-        """``(None, ids on the GPU)`` when they are on the GPU table's own device, else
-        ``(host ids, None)`` (GPU ids for a host table are copied down). All checked,
-        except GPU ids on the table's device when ``check`` is False."""
+             ) -> Tuple[Optional[np.ndarray], Optional[torch.Tensor], int]:
+        """``(None, ids on the GPU, -1)`` when they are on the GPU table's own device,
+        else ``(host ids, None, order)`` (GPU ids for a host table are copied down;
+        ``order`` as :func:`_gadget_ids`). All checked, except GPU ids on the table's
+        device when ``check`` is False."""
         dev_ids = _device_ids(indexes, store.num_rows, check=False)
         if dev_ids is None:
-            return _gadget_ids(indexes, store.num_rows), None
+            ids, order = _gadget_ids(indexes, store.num_rows)
+            return ids, None, order
         if (store.device == dev_ids.device if isinstance(store, _TensorStore)
                 else store.takes_device_ids(dev_ids.device)):
             if check or not isinstance(store, _TensorStore):
                 _check_device_range(dev_ids, store.num_rows)
-            return None, dev_ids
-        return check_ids(dev_ids.cpu().numpy(), store.num_rows), None
+            return None, dev_ids, -1
+        ids, order = scan_ids(dev_ids.cpu().numpy(), store.num_rows)
+        return ids, None, order
 
     def getNumpyVersion(self) -> np.ndarray:
         """A numpy copy of the table, in the file's shape."""
