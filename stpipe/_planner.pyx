@@ -22,7 +22,7 @@ Algorithm of :func:`plan_unchecked` for ``n`` ids over ``num_rows`` rows:
 """
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 
@@ -115,6 +115,19 @@ def scan_ids(const index_t[::1] ids not None, int64_t num_rows):
     with nogil:
         pos = _scan_ids(ids, num_rows, &order)
     return pos, order
+
+
+def same_ids(const index_t[::1] a not None, const index_t[::1] b not None):
+    """Return True when ``a`` and ``b`` (one dtype, C-contiguous) hold the same ids: one
+    ``memcmp`` with the GIL released."""
+    cdef Py_ssize_t n = a.shape[0]
+    cdef int r = 0
+    if b.shape[0] != n:
+        return False
+    if n:
+        with nogil:
+            r = memcmp(&a[0], &b[0], n * sizeof(index_t))
+    return r == 0
 
 
 cdef inline Py_ssize_t _first_repeat(const index_t[::1] ids, unsigned char* seen) noexcept nogil:

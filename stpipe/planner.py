@@ -34,7 +34,7 @@ import numpy as np
 from ._errors import StpipeIndexError, StpipeTypeError, StpipeValueError
 
 __all__ = ["Plan", "plan", "overlap", "implementation", "check_ids", "as_index_array", "first_repeat",
-           "scan_ids"]
+           "scan_ids", "same_ids"]
 
 try:  # the compiled planner; absent when the package was not built
     from . import _planner as _compiled
@@ -243,6 +243,21 @@ def scan_ids(ids: Any, num_rows: int) -> tuple[np.ndarray, int]:
     if pos >= 0:
         _raise_out_of_range(arr, flat, pos, num_rows)
     return arr, int(order)
+
+
+def same_ids(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the id arrays ``a`` and ``b`` are equal (same shape and values): one
+    ``memcmp`` in the compiled planner when they share a dtype (int32 or int64) and
+    are C-contiguous, else ``np.array_equal``."""
+    if a.shape != b.shape:
+        return False
+    if (a.dtype == b.dtype and a.dtype in _ID_DTYPES and a.flags.c_contiguous
+            and b.flags.c_contiguous and implementation() == "cython"):
+        return bool(_compiled.same_ids(a.reshape(-1), b.reshape(-1)))
+    return bool(np.array_equal(a, b))
+
+
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _first_repeat_numpy(flat: np.ndarray) -> int:

@@ -949,3 +949,34 @@ def test_id_buffer_reused_and_mutated_in_place(with_neg):
         flat = np.concatenate([pos.ravel(), neg.ravel()])
         sw.beforeForwardPass(flat[:3].reshape(1, 3), flat[3:].reshape(1, 3))
         np.testing.assert_array_equal(emb.weight.detach().numpy(), want())
+
+
+def test_weak_id_map_drops_entries_with_their_keys():
+    """The switchers' per-parameter registry: found by identity (not by tensor
+    equality), dropped when the key dies, and an old key's death never removes the
+    entry of a new key that reuses its id."""
+    import gc
+
+    from stpipe.compat.speedtorch import _WeakIdMap
+
+    m = _WeakIdMap()
+    a, b = torch.zeros(2), torch.zeros(2)  # equal values, distinct objects
+    m[a] = "a"
+    assert m.get(a) == "a" and m.get(b) is None and m.get(b, 7) == 7
+    assert a in m and b not in m and len(m) == 1
+    m[b] = "b"
+    m[a] = "a2"  # replaced; the first entry's callback must not remove the second
+    gc.collect()
+    assert m.get(a) == "a2" and m.get(b) == "b" and len(m) == 2
+    del m[b]
+    assert b not in m and len(m) == 1
+    with pytest.raises(KeyError):
+        del m[b]
+    m[b] = "b"
+    del a
+    gc.collect()
+    assert len(m) == 1 and m.get(b) == "b" and len(m._d) == 1
+    # a new object that happens to get the dead key's id is not found under the old entry
+    for _ in range(50):
+        c = torch.zeros(2)
+        assert m.get(c) is None

@@ -294,3 +294,17 @@ def test_scan_ids_order_cases(impl, ids, order):
 def test_scan_ids_names_first_bad_id(impl, ids, pos):
     with pytest.raises(IndexError, match=f"position {pos} is out of range"):
         planner.scan_ids(np.array(ids), 10)
+
+
+@pytest.mark.parametrize("a,b,want", [
+    (np.arange(5), np.arange(5), True),
+    (np.arange(5), np.arange(1, 6), False),
+    (np.arange(5), np.arange(4), False),
+    (np.array([], dtype=np.int64), np.array([], dtype=np.int64), True),
+    (np.arange(5, dtype=np.int32), np.arange(5), True),  # dtypes differ: numpy compares values
+    (np.arange(10)[::2], np.array([0, 2, 4, 6, 8]), True),  # strided
+    (np.array([1, 2, 3]), np.array([1, 2, 4]), False),  # differs in the last id only
+])
+def test_same_ids(impl, a, b, want):
+    assert planner.same_ids(a, b) is want
+    assert planner.same_ids(b, a) is want
