@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ._cuda import driver_calls
-from ._streams import on_stream
+from ._streams import current_stream, on_stream
 
 __all__ = ["upload", "RING_BYTES"]
 
@@ -145,7 +145,7 @@ def upload_buffer(hosts: Sequence[np.ndarray], device: torch.device,
         total += -(-h.nbytes // _ALIGN) * _ALIGN
     total = max(total, _ALIGN)
     if stream is None:
-        stream = torch.cuda.current_stream(device)
+        stream = current_stream(device)
     ring = _ring(device)
     if total > ring.size // 2:  # a large upload: its own pinned buffer
         src = torch.empty(total, dtype=torch.uint8, pin_memory=True)

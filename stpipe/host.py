@@ -47,6 +47,7 @@ from ._errors import (
 )
 from .kernels import BACKENDS, SUPPORTED_DTYPES, IndexBatch, get_backend
 from .planner import check_ids, first_repeat, scan_ids
+from ._streams import current_stream
 
 __all__ = ["HostTable"]
 
@@ -377,7 +378,7 @@ class HostTable:
 
     def _stream(self, stream: Optional["torch.cuda.Stream"]) -> "torch.cuda.Stream":
         if stream is None:
-            return torch.cuda.current_stream(self.device)
+            return current_stream(self.device)
         if not isinstance(stream, torch.cuda.Stream):
             raise StpipeTypeError(
                 f"stream must be a torch.cuda.Stream, got {type(stream).__name__}"

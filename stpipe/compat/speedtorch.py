@@ -82,6 +82,7 @@ from .._errors import (
     StpipeTypeError,
     StpipeValueError,
 )
+from .._streams import current_stream
 from ..kernels import IndexBatch
 from ..planner import _check_tensor_dtype, as_index_array, check_ids, first_repeat, plan, same_ids, scan_ids
 
@@ -234,7 +235,7 @@ def _ids_tensor(ids: np.ndarray, device: torch.device) -> torch.Tensor:
         # through stpipe's pinned upload ring: a copy from pageable memory may sync the stream
         from .._staging import upload
 
-        return upload([arr], device, torch.cuda.current_stream(device))[0]
+        return upload([arr], device, current_stream(device))[0]
     return torch.from_numpy(arr)
 
 
@@ -345,7 +346,7 @@ class _TensorStore:
                 self._bad = torch.zeros((1,), dtype=torch.int64, device=self.t.device)
             idx = idx.contiguous()
             kern.scatter_last(self.t, idx, rows.contiguous(), self._stamps, self._bad, self._calls,
-                              torch.cuda.current_stream(self.t.device))
+                              current_stream(self.t.device))
             if not checked and int(self._bad.item()) == base:
                 check_ids(idx.cpu().numpy(), self.num_rows)  # raises, naming the first bad id
             return
@@ -430,7 +431,7 @@ class _HostStore:
 
     def _stream(self) -> Optional["torch.cuda.Stream"]:
         dev = self.table.device
-        return torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        return current_stream(dev) if dev.type == "cuda" else None
 
     def gather(self, ids: np.ndarray, device: torch.device,
                ids_dev: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -704,7 +705,7 @@ class _Layout:
                    "unique": self.unique}
             if "last" in names:
                 src["last"] = self.last_pos()
-            stream = torch.cuda.current_stream(device)
+            stream = current_stream(device)
             for nm, t in zip(names, upload([src[nm] for nm in names], device, stream)):
                 self._dev[(nm, str(device))] = t
             self._unique_batch._uploaded.setdefault(int(stream.cuda_stream),
