@@ -632,8 +632,10 @@ class _Layout:
     id, the row of its last occurrence.
     """
 
-    def __init__(self, flat: np.ndarray, num_rows: int, dedup: bool) -> None:
-        self.ids = np.array(flat, copy=True)
+    def __init__(self, flat: np.ndarray, num_rows: int, dedup: bool, copy: bool = True) -> None:
+        # a copy: the caller's id buffer may be refilled in place for the next batch
+        # (``copy=False``: ``flat`` is already a fresh array)
+        self.ids = np.array(flat, copy=True) if copy else flat
         self.num_rows = int(num_rows)
         self.dedup = bool(dedup)
         self.plan = plan(self.ids, num_rows)
@@ -906,7 +908,7 @@ def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int) -> _Layo
         return last
     flat = _flat_ids(pos, neg, num_rows)
     try:
-        lay = _Layout(flat, num_rows, dedup)
+        lay = _Layout(flat, num_rows, dedup, copy=neg is None)  # two parts: concatenated anew
     except StpipeIndexError:
         # name the argument that holds the bad id
         check_ids(pos, num_rows)
