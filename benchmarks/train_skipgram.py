@@ -23,6 +23,8 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
   N computes);
+* ``stpipe_depth2`` (on request): two batches prefetched, so the prefetch thread has a
+  step of slack before the training thread waits for it;
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
   kernel per step instead of a dozen foreach launches; same update rule);
 * ``compute_only`` / ``compute_only_fused``: the user's step alone on GPU-resident working
@@ -608,11 +610,11 @@ def main(argv=None) -> int:
                     st = _Stpipe(args, dev)
                 results[m] = st.run(args, dev, batches, 1,
                                     trace_prefetch=os.path.join(trace_dir, "prefetch"))
-            elif m in ("stpipe_depth0", "stpipe_depth1", "profile", "trace"):
+            elif m in ("stpipe_depth0", "stpipe_depth1", "stpipe_depth2", "profile", "trace"):
                 if st is None:
                     st = _Stpipe(args, dev)
                     log(f"stpipe tables ready in {st.setup_s:.1f} s")
-                depth = 0 if m == "stpipe_depth0" else 1
+                depth = {"stpipe_depth0": 0, "stpipe_depth2": 2}.get(m, 1)
                 key = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
                 results[key] = st.run(args, dev, batches, depth, profile=(m == "profile"),
                                       trace=trace_dir if m == "trace" else None)
