@@ -728,6 +728,38 @@ def test_datagadget_roundtrip(tmp_path, cpupinn):
     np.testing.assert_array_equal(g.getNumpyVersion(), data)
 
 
+@pytest.mark.parametrize("cpupinn", [False, True])
+@pytest.mark.parametrize("ids", [
+    np.array([1, 4, 9, 30]),            # strictly increasing: no repeat check at all
+    np.array([1, 4, 4, 9]),             # non-decreasing with a repeat
+    np.array([30, 9, 4, 1]),            # distinct, descending
+    np.array([9, 2, 9, 2], np.int32),   # int32 with repeats, unsorted
+    slice(40, 10, -10),                 # a negative-step slice: 40, 30, 20
+    slice(3, 9, 2),                     # 3, 5, 7
+], ids=["increasing", "nondecreasing", "descending", "int32-repeats", "slice-down", "slice-up"])
+def test_datagadget_every_id_order(tmp_path, cpupinn, ids):
+    """getData/insertData give numpy's answers (last occurrence wins on insert) whatever
+    order the ids come in: the order found by the one checking pass picks the path."""
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((50, 3)).astype(np.float32)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    g.gadgetInit()
+    flat = np.arange(50)[ids] if isinstance(ids, slice) else ids
+    # the order the checking pass reports decides whether repeats are looked for: on CPU
+    # a wrong "strictly increasing" would go unseen (index_copy_ writes in order)
+    d = np.diff(flat.astype(np.int64))
+    want = 2 if (d > 0).all() else (1 if (d >= 0).all() else 0)
+    assert SpeedTorch.DataGadget._ids(ids, g._store)[2] == want
+    np.testing.assert_array_equal(g.getData(ids).cpu().numpy(), data[flat])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    new = torch.arange(len(flat) * 3, dtype=torch.float32).view(len(flat), 3).to(dev)
+    g.insertData(new, ids)
+    for j, i in enumerate(flat.tolist()):  # in order: the last occurrence wins
+        data[i] = new[j].cpu().numpy()
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+
+
 @pytest.mark.parametrize("shape,dtype", [((20,), np.float32), ((10, 3, 2), np.float64),
                                          ((10, 4), np.float16), ((10, 2), np.int32)])
 def test_datagadget_other_shapes_and_dtypes(tmp_path, shape, dtype):
