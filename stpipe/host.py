@@ -804,7 +804,7 @@ class HostTable:
         n = len(batch)
         self._check_rows("rows", rows, n)
         if not (assume_unique or distinct):
-            _check_unique(batch)
+            _check_unique(batch, self.num_rows)
         if n == 0:
             return
         if self.device.type == "cpu":
@@ -1069,7 +1069,9 @@ def scatter_many(tables: "List[HostTable]", ids: Any, rows: torch.Tensor,
     _move_many("scatter", list(tables), ids, rows, stream, pending)
 
 
-def _check_unique(batch: IndexBatch) -> None:
+def _check_unique(batch: IndexBatch, num_rows: int) -> None:
+    """Raise when ``batch`` (range-checked against ``num_rows``) repeats an id, naming
+    the first id seen again and its first two positions."""
     host = batch.host
     if host.shape[0] < 2:
         return
@@ -1079,16 +1081,10 @@ def _check_unique(batch: IndexBatch) -> None:
             return
         value = int(host[int(np.argmax(same))])
     else:  # an O(n) bitmap pass (the ids were range-checked against the table)
-        again = first_repeat(host, batch.checked_rows) if batch.checked_rows > 0 else -1
-        if batch.checked_rows <= 0:
-            uniq, counts = np.unique(host, return_counts=True)
-            if uniq.shape[0] == host.shape[0]:
-                return
-            value = int(uniq[int(np.argmax(counts > 1))])
-        elif again < 0:
+        again = first_repeat(host, num_rows)
+        if again < 0:
             return
-        else:
-            value = int(host[again])
+        value = int(host[again])
     pos = np.flatnonzero(host == value)[:2].tolist()
     raise StpipeValueError(
         f"expected unique ids for scatter, got id {value} twice (positions {pos[0]} and "

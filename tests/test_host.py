@@ -469,3 +469,20 @@ def test_index_batch_checked_for_another_table_is_checked_again():
         t.gather(bad)
     ok = IndexBatch(host=np.array([3, 9], dtype=np.int64), checked_rows=10)
     assert t.gather(ok).shape == (2, 2)
+
+
+def test_scatter_checks_repeats_of_an_index_batch_against_this_table():
+    """An IndexBatch range-checked against a smaller table (or not at all) is checked for
+    repeats over this table's rows: a repeat is a ValueError, distinct ids are written."""
+    from stpipe.kernels import IndexBatch
+
+    t = make(20, 2)
+    dup = IndexBatch(host=np.array([15, 3, 15], dtype=np.int64), checked_rows=-1)
+    with pytest.raises(ValueError, match=r"id 15 twice \(positions 0 and 2\)"):
+        t.scatter(dup, torch.zeros(3, 2))
+    other = IndexBatch(host=np.array([3, 1, 3], dtype=np.int64), checked_rows=5)
+    with pytest.raises(ValueError, match=r"id 3 twice"):
+        t.scatter(other, torch.zeros(3, 2))
+    ok = IndexBatch(host=np.array([18, 2, 11], dtype=np.int64), checked_rows=12)
+    t.scatter(ok, torch.ones(3, 2))
+    assert torch.all(t.tensor()[[18, 2, 11]] == 1)
