@@ -664,18 +664,23 @@ def plan_checked(const index_t[::1] ids not None, int64_t num_rows):
 
 cdef inline Py_ssize_t _intersect(const int64_t[::1] a, const int64_t[::1] b, int64_t* pa,
                                   int64_t* pb) noexcept nogil:
+    """Sorted-merge intersection, branch-free: which side advances depends on the data
+    (a mispredicted branch per step in a three-way ``if``), so each step writes both
+    positions, keeps them only on a match, and advances each side by a comparison
+    result (two 8,046-id Zipf plans on the 2-core VM: 42 us against 55 us for the
+    branching merge, the ``overlap`` call included)."""
     cdef Py_ssize_t i = 0, j = 0, m = 0, na = a.shape[0], nb = b.shape[0]
+    cdef int64_t x, y
+    # the unconditional writes stay in bounds: m < min(na, nb) while both sides have
+    # ids left, since every match uses one id of each
     while i < na and j < nb:
-        if a[i] < b[j]:
-            i += 1
-        elif a[i] > b[j]:
-            j += 1
-        else:
-            pa[m] = i
-            pb[m] = j
-            m += 1
-            i += 1
-            j += 1
+        x = a[i]
+        y = b[j]
+        pa[m] = i
+        pb[m] = j
+        m += x == y
+        i += x <= y
+        j += y <= x
     return m
 
 
