@@ -86,10 +86,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<18}{k:>8}{cy:>11.3f}{r['stpipe-numpy']:>11.3f}{r['np.unique']:>11.3f}"
               f"{r['torch.unique(cpu)']:>11.3f}{r['np.unique'] / cy:>9.1f}x{r['torch.unique(cpu)'] / cy:>12.1f}x")
         out.append({"case": name, "n": int(ids.size), "unique": k, **r})
+    extra = _side_calls(rng, args.rows, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "python": sys.version, "results": out}, f, indent=2)
+            json.dump({"rows": args.rows, "python": sys.version, "results": out, "side": extra}, f, indent=2)
     return 0
+
+
+def _side_calls(rng: np.random.Generator, rows: int, repeats: int) -> dict:
+    """The planner's other per-batch calls: ``overlap`` of two consecutive skip-gram
+    context batches (512 x (4 + 64) Zipf ids, as the pipeline computes it for each batch
+    in flight), and the id check of a host-table call on sorted unique ids
+    (``scan_ids``, against ``check_ids`` plus a sortedness pass)."""
+    a = planner.plan(_zipf(rng, 512 * 68, rows), rows)
+    b = planner.plan(_zipf(rng, 512 * 68, rows), rows)
+    sorted_ids = np.unique(rng.integers(0, rows, 131_072))
+    res = {}
+    for impl in ("cython", "numpy"):
+        if impl == "cython" and planner._compiled is None:
+            continue
+        os.environ["STPIPE_PLANNER"] = impl
+        res[f"overlap {impl}"] = _median_ms(lambda: planner.overlap(a, b), repeats)
+        res[f"scan_ids {impl}"] = _median_ms(lambda: planner.scan_ids(sorted_ids, rows), repeats)
+        res[f"check_ids + sorted pass {impl}"] = _median_ms(
+            lambda: (planner.check_ids(sorted_ids, rows), bool(np.all(sorted_ids[1:] >= sorted_ids[:-1]))),
+            repeats)
+    os.environ.pop("STPIPE_PLANNER", None)
+    res["np.intersect1d"] = _median_ms(
+        lambda: np.intersect1d(a.unique, b.unique, assume_unique=True, return_indices=True), repeats)
+    shared = len(planner.overlap(a, b)[0])
+    print(f"\noverlap of two {a.num_ids:,}-id Zipf batches ({a.num_unique:,} and {b.num_unique:,} unique, "
+          f"{shared:,} shared); id checks of {sorted_ids.size:,} sorted unique ids; median ms:")
+    for name, ms in res.items():
+        print(f"  {name:<32}{ms:>9.4f}")
+    return res
 
 
 if __name__ == "__main__":
