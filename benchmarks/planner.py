@@ -41,14 +41,23 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _each_impl():
+    """Each planner implementation that loads, with ``STPIPE_PLANNER`` set to it while
+    the caller times it (unset afterwards)."""
+    try:
+        for impl in ("cython", "numpy"):
+            if impl == "cython" and planner._compiled is None:
+                continue
+            os.environ["STPIPE_PLANNER"] = impl
+            yield impl
+    finally:
+        os.environ.pop("STPIPE_PLANNER", None)
+
+
 def _run(ids: np.ndarray, rows: int, repeats: int) -> dict:
     res = {}
-    for impl in ("cython", "numpy"):
-        if impl == "cython" and planner._compiled is None:
-            continue
-        os.environ["STPIPE_PLANNER"] = impl
+    for impl in _each_impl():
         res[f"stpipe-{impl}"] = _median_ms(lambda: planner.plan(ids, rows), repeats)
-    os.environ.pop("STPIPE_PLANNER", None)
     res["np.unique"] = _median_ms(lambda: np.unique(ids, return_inverse=True), repeats)
     t = torch.from_numpy(ids)
     res["torch.unique(cpu)"] = _median_ms(lambda: torch.unique(t, sorted=True, return_inverse=True), repeats)
@@ -102,16 +111,12 @@ def _side_calls(rng: np.random.Generator, rows: int, repeats: int) -> dict:
     b = planner.plan(_zipf(rng, 512 * 68, rows), rows)
     sorted_ids = np.unique(rng.integers(0, rows, 131_072))
     res = {}
-    for impl in ("cython", "numpy"):
-        if impl == "cython" and planner._compiled is None:
-            continue
-        os.environ["STPIPE_PLANNER"] = impl
+    for impl in _each_impl():
         res[f"overlap {impl}"] = _median_ms(lambda: planner.overlap(a, b), repeats)
         res[f"scan_ids {impl}"] = _median_ms(lambda: planner.scan_ids(sorted_ids, rows), repeats)
         res[f"check_ids + sorted pass {impl}"] = _median_ms(
             lambda: (planner.check_ids(sorted_ids, rows), bool(np.all(sorted_ids[1:] >= sorted_ids[:-1]))),
             repeats)
-    os.environ.pop("STPIPE_PLANNER", None)
     res["np.intersect1d"] = _median_ms(
         lambda: np.intersect1d(a.unique, b.unique, assume_unique=True, return_indices=True), repeats)
     shared = len(planner.overlap(a, b)[0])
