@@ -1578,14 +1578,9 @@ class CPUPytorchOptimizerFactory(PytorchOptimizerFactory):
 # ---------------------------------------------------------------------------------------
 # DataGadget
 # ---------------------------------------------------------------------------------------
-def _increasing(flat: np.ndarray) -> bool:
-    """True when the ``(n,)`` ids are strictly increasing (so distinct)."""
-    return flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1]))
-
-
 def _distinct(flat: np.ndarray, num_rows: int, ids_dev: Optional[torch.Tensor] = None) -> bool:
     """True when the ``(n,)`` checked ids hold no repeat (callers pass strictly increasing
-    ids by first, :func:`_increasing`).
+    ids by first: :func:`stpipe.planner.scan_ids` tells them).
 
     Ids already on the GPU (a GPU-resident table) are sorted there and one flag is read
     back (a wait on the current stream, not the device: measured faster than the host
@@ -1598,15 +1593,13 @@ def _distinct(flat: np.ndarray, num_rows: int, ids_dev: Optional[torch.Tensor] =
     return first_repeat(flat, num_rows) < 0
 
 
-def _checked(flat: np.ndarray, store: Any, sorted_: Optional[bool] = None) -> Any:
+def _checked(flat: np.ndarray, store: Any, sorted_: bool) -> Any:
     """Ids already range-checked here, as a host table takes them without a second check
-    (``sorted_``: whether they are sorted, when the caller knows; spares the table's own
-    sortedness pass)."""
+    (``sorted_``: whether they are sorted, known from the checking pass, so the table
+    makes no sortedness pass of its own)."""
     if not isinstance(store, _HostStore):
         return flat
     host = np.ascontiguousarray(flat, dtype=np.int64)
-    if sorted_ is None:
-        return IndexBatch.of(host, checked_rows=store.num_rows)
     return IndexBatch(host=host, is_sorted=sorted_, checked_rows=store.num_rows)
 
 
@@ -1791,8 +1784,8 @@ class DataGadget:
                     store.version += 1
                     return
         if ids is None:  # narrow rows: the repeat check below also reads the ids on the host
-            ids = dev_ids.cpu().numpy()
-            increasing = _increasing(ids.reshape(-1))
+            ids, order = scan_ids(dev_ids.cpu().numpy(), store.num_rows)
+            increasing = order == 2
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         if increasing or _distinct(flat, store.num_rows, ids_dev):
             # distinct ids are sorted exactly when strictly increasing
