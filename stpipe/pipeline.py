@@ -23,6 +23,12 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    iterable, calls ``ids``, plans every table (the Cython planner releases the GIL), and
    takes a free slot (a bounded queue of ``S`` slot numbers: at most ``d`` batches are
    gathered ahead of the one being trained).
+   Before going on with ``j`` it waits at the *gate* until the training thread has begun
+   step ``j - d`` (its first embedding lookup) or left it: the GIL-bound part of issuing
+   ``j`` then runs while that step's forward ends and its backward runs (the training
+   thread waits there without the GIL) instead of taking turns on the GIL with the step's
+   entry and forward. Ordering only: no result depends on it (``STPIPE_PREFETCH_GATE=0``
+   turns it off, to measure it).
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -96,6 +102,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import queue
 import threading
 import time
@@ -218,6 +225,40 @@ class _Failure:
 _END = object()
 
 
+class _Gate:
+    """When the prefetch thread may issue a batch: after the training thread began step
+    ``i`` (first lookup) or left it (:meth:`open`). Cheap for the training thread once
+    open: one comparison."""
+
+    __slots__ = ("cond", "step")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.step = -1  # the latest step begun or left
+
+    def open(self, index: int) -> None:
+        if self.step < index:
+            with self.cond:
+                if self.step < index:
+                    self.step = index
+                    self.cond.notify_all()
+
+    def wait(self, index: int, stop: threading.Event) -> bool:
+        """Until step ``index`` has begun (True) or ``stop`` is set (False)."""
+        if self.step >= index:
+            return True
+        with self.cond:
+            while self.step < index:
+                if stop.is_set():
+                    return False
+                self.cond.wait(_POLL)
+        return True
+
+
+def _gate_enabled() -> bool:
+    return os.environ.get("STPIPE_PREFETCH_GATE", "1").strip() not in ("0", "false", "no", "off")
+
+
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
@@ -230,6 +271,7 @@ class _Run:
         self.thread: Optional[threading.Thread] = None
         self.where = "starting"
         self.closed = False
+        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
 
     def take_slot(self) -> Optional[int]:
         while not self.stop.is_set():
@@ -821,6 +863,10 @@ class Pipeline:
                 if slot is None:
                     return
                 flight.slot = slot
+                if run.gate is not None:
+                    run.where = f"waiting for step {idx - self.depth} to begin before issuing batch {idx}"
+                    if not run.gate.wait(idx - self.depth, run.stop):
+                        return
                 self._issue(flight, run)
                 slot = None  # owned by the flight now
                 run.where = f"handing batch {idx} to the training thread"
@@ -1072,6 +1118,8 @@ class Pipeline:
 
     def _drop(self, flight: _Flight, run: _Run) -> None:
         """Forget a batch that will not be trained (never entered)."""
+        if run.gate is not None:
+            run.gate.open(flight.index)
         with self._lock:
             self._inflight.pop(flight.index, None)
         if flight.slot >= 0:
@@ -1124,6 +1172,8 @@ class Pipeline:
             self._claim_batch(f, compute, wait=False)  # ready is behind the batch's copy
             for buf in f.dev_bufs:  # uploaded ids not claimed with the batch (used on compute)
                 buf.record_stream(compute)
+        gate = run.gate
+        opened = None if gate is None else (lambda: gate.open(f.index))
         for name, tf in f.tables.items():
             emb = self.tables[name]
             slots = self._slots[name]
@@ -1139,7 +1189,7 @@ class Pipeline:
             emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                       for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                            tf.aliases or [None] * len(tf.parts))],
-                               unique=tf.plan.unique))
+                               unique=tf.plan.unique, on_lookup=opened))
         t1 = time.perf_counter()
         step._t_enter = t1
         if self._profile:
@@ -1151,6 +1201,8 @@ class Pipeline:
         compute = step._compute_stream
         for emb in self.tables.values():
             emb._bind(None)
+        if run is not None and run.gate is not None:
+            run.gate.open(f.index)  # a step without lookups, or one that failed
         err: Optional[BaseException] = None
         if not failed:
             try:

@@ -607,3 +607,69 @@ def test_slot_moves_are_cached_per_stack_and_table_set(monkeypatch):
     assert slots.move(0, "gather", 0, [emb.table]) == ("move", 6)
     assert made[-1][2] == slots.stack[0].data_ptr()
     other.table.close()
+
+
+# ------------------------------------------------------------------- prefetch gate
+def _gate_events(depth, monkeypatch, gate_on=True, lookups=True):
+    """Train with a pause before each step's lookup; return the order of events: the
+    test's ('lookup', i) just before step i's first lookup and the prefetch thread's
+    ('issue', j) when it begins issuing batch j."""
+    monkeypatch.setenv("STPIPE_PREFETCH_GATE", "1" if gate_on else "0")
+    events = []
+    orig = Pipeline._issue
+
+    def issue(self, flight, run):
+        events.append(("issue", flight.index))
+        return orig(self, flight, run)
+
+    monkeypatch.setattr(Pipeline, "_issue", issue)
+    emb = make_emb()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    batches = make_batches("zipf", steps=8)
+    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=depth) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                time.sleep(0.02)  # the prefetch thread would issue now without the gate
+                if lookups:
+                    events.append(("lookup", step.index))
+                    loss = loss_fn(emb(step.ids), step.batch["target"])
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+    return events, pipe
+
+
+def _issued_before_lookup(events, depth):
+    """Batches j issued before step j - depth began (its lookup event)."""
+    pos = {e: i for i, e in enumerate(events)}
+    return [j for kind, j in events if kind == "issue" and j - depth >= 0
+            and pos[("issue", j)] < pos[("lookup", j - depth)]]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetch_gate_issues_after_the_step_begins(depth, monkeypatch):
+    events, pipe = _gate_events(depth, monkeypatch)
+    assert pipe.stats["steps"] == 8
+    assert [j for kind, j in events if kind == "issue"] == list(range(8))
+    assert _issued_before_lookup(events, depth) == []
+
+
+def test_prefetch_gate_off_issues_during_the_step_entry(monkeypatch):
+    # the control: without the gate the prefetch thread issues during the pause
+    events, _ = _gate_events(1, monkeypatch, gate_on=False)
+    assert _issued_before_lookup(events, 1) != []
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetch_gate_opens_without_lookups(depth, monkeypatch):
+    # steps that never call the embedding, and steps never entered, do not stall the run
+    events, pipe = _gate_events(depth, monkeypatch, lookups=False)
+    assert pipe.stats["steps"] == 8
+    emb = make_emb()
+    with Pipeline(emb, ids=lambda b: b["ids"], depth=depth) as pipe:
+        for step in pipe.run(make_batches("zipf", steps=8)):
+            if step.index % 2:
+                continue
+            with step:
+                pass
+    assert pipe.stats["skipped"] == 4 and pipe.stats["steps"] == 4
