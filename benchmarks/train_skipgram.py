@@ -32,8 +32,9 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed);
 * on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
-  interval, an experiment), ``stpipe_depth1_nogate`` (depth 1 with the prefetch gate off,
-  ``STPIPE_PREFETCH_GATE=0``: batches are issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
+  interval, an experiment), ``stpipe_depth1_gate`` / ``stpipe_depth1_nogate`` (depth 1 with the
+  experimental prefetch gate on, ``STPIPE_PREFETCH_GATE=1``, or off, the default: batches
+  issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
   tables written to ``--trace DIR``, default ``OUT/trace``) and ``trace0`` (depth 0 under
   cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``) and
   ``trace_prefetch`` (depth 1 with the profiler started in the prefetch thread;
@@ -591,13 +592,13 @@ def main(argv=None) -> int:
                     results[m] = st.run(args, dev, batches, 1)
                 finally:
                     sys.setswitchinterval(old_si)
-            elif m == "stpipe_depth1_nogate":
-                # depth 1 with the prefetch gate off: the prefetch thread issues a batch as
-                # soon as a slot is free instead of waiting for the step's first lookup
+            elif m in ("stpipe_depth1_gate", "stpipe_depth1_nogate"):
+                # depth 1 with the experimental prefetch gate on (the prefetch thread waits
+                # for the step's first lookup before issuing) or explicitly off (default)
                 if st is None:
                     st = _Stpipe(args, dev)
                 old_gate = os.environ.get("STPIPE_PREFETCH_GATE")
-                os.environ["STPIPE_PREFETCH_GATE"] = "0"
+                os.environ["STPIPE_PREFETCH_GATE"] = "1" if m.endswith("_gate") else "0"
                 try:
                     results[m] = st.run(args, dev, batches, 1)
                 finally:

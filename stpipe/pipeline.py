@@ -23,12 +23,12 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    iterable, calls ``ids``, plans every table (the Cython planner releases the GIL), and
    takes a free slot (a bounded queue of ``S`` slot numbers: at most ``d`` batches are
    gathered ahead of the one being trained).
-   Before going on with ``j`` it waits at the *gate* until the training thread has begun
-   step ``j - d`` (its first embedding lookup) or left it: the GIL-bound part of issuing
-   ``j`` then runs while that step's forward ends and its backward runs (the training
-   thread waits there without the GIL) instead of taking turns on the GIL with the step's
-   entry and forward. Ordering only: no result depends on it (``STPIPE_PREFETCH_GATE=0``
-   turns it off, to measure it).
+   With ``STPIPE_PREFETCH_GATE=1`` (an experiment; off by default) it then waits at a
+   *gate* until the training thread has begun step ``j - d`` (its first embedding lookup)
+   or left it, so the GIL-bound part of issuing ``j`` runs while that step's backward runs
+   (the training thread waits there without the GIL) instead of during the step's entry
+   and forward. Ordering only: no result depends on it. On the H200 it helped at 2M rows
+   in one process and slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -256,7 +256,9 @@ class _Gate:
 
 
 def _gate_enabled() -> bool:
-    return os.environ.get("STPIPE_PREFETCH_GATE", "1").strip() not in ("0", "false", "no", "off")
+    """``STPIPE_PREFETCH_GATE=1`` (read at each run's start): the experimental prefetch
+    gate is on. Off by default: it slowed the 10M-row benchmark in two runs of two."""
+    return os.environ.get("STPIPE_PREFETCH_GATE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class _Run:

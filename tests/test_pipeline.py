@@ -673,3 +673,19 @@ def test_prefetch_gate_opens_without_lookups(depth, monkeypatch):
             with step:
                 pass
     assert pipe.stats["skipped"] == 4 and pipe.stats["steps"] == 4
+
+
+def test_prefetch_gate_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("STPIPE_PREFETCH_GATE", raising=False)
+    emb = make_emb()
+    with Pipeline(emb, ids=lambda b: b["ids"], depth=1) as pipe:
+        for step in pipe.run(make_batches("zipf", steps=2)):
+            assert pipe._run.gate is None
+            with step:
+                pass
+    monkeypatch.setenv("STPIPE_PREFETCH_GATE", "1")
+    with Pipeline(emb, ids=lambda b: b["ids"], depth=1) as pipe:
+        for step in pipe.run(make_batches("zipf", steps=2)):
+            assert pipe._run.gate is not None
+            with step:
+                pass
