@@ -70,6 +70,7 @@ import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List
+from unittest import mock
 
 import numpy as np
 import torch
@@ -597,15 +598,8 @@ def main(argv=None) -> int:
                 # for the step's first lookup before issuing) or explicitly off (default)
                 if st is None:
                     st = _Stpipe(args, dev)
-                old_gate = os.environ.get("STPIPE_PREFETCH_GATE")
-                os.environ["STPIPE_PREFETCH_GATE"] = "1" if m.endswith("_gate") else "0"
-                try:
+                with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": "1" if m.endswith("_gate") else "0"}):
                     results[m] = st.run(args, dev, batches, 1)
-                finally:
-                    if old_gate is None:
-                        os.environ.pop("STPIPE_PREFETCH_GATE", None)
-                    else:
-                        os.environ["STPIPE_PREFETCH_GATE"] = old_gate
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)
                 gc.collect()
