@@ -176,9 +176,12 @@ class _TableFlight:
     _rows: Optional[IndexBatch] = field(default=None, repr=False)
     #: ``plan.unique`` on the device (CUDA runs; uploaded with the batch)
     dev_rows: Optional[_DevIds] = field(default=None, repr=False)
-    #: the slot's views installed at step entry: rows and ``{key: state}`` (reused by the
-    #: write-back unless the slot was re-made for keys discovered during the step)
+    #: the slot's views installed at step entry: rows and ``{key: state}``, made with the
+    #: gather (prefetch thread) for :attr:`keys`; remade at entry when keys were found
+    #: after the gather, and by the write-back when found during the step
     views: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = field(default=None, repr=False)
+    #: what the embedding's forward needs during the step (made with the views)
+    binding: Optional[_Binding] = field(default=None, repr=False)
 
     @property
     def k(self) -> int:
@@ -1086,6 +1089,24 @@ class Pipeline:
         if self._cuda:
             # one event: the tables' read event and the batch's `ready`
             flight.ready = _finish(pending, cs)
+        self._stage(flight, None if run is None else run.gate)
+
+    def _stage(self, flight: _Flight, gate: Optional[_Gate]) -> None:
+        """Make what step entry installs: each table's slot views and forward binding.
+
+        Done with the gather (the prefetch thread at depth >= 1), so the training thread
+        only installs them. The views stay valid until the step ends: only this flight
+        re-makes its slot (:meth:`_Slots.ensure`), and then makes the views again.
+        """
+        opened = None if gate is None else (lambda: gate.open(flight.index))
+        for name, tf in flight.tables.items():
+            slots = self._slots[name]
+            k = tf.k
+            tf.views = (slots.rows(flight.slot, k), {key: slots.state(flight.slot, key, k) for key in tf.keys})
+            tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
+                                         for x, inv, a in zip(tf.parts, tf.part_inverse,
+                                                              tf.aliases or [None] * len(tf.parts))],
+                                  unique=tf.plan.unique, on_lookup=opened)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
                      keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
@@ -1164,6 +1185,7 @@ class Pipeline:
                         if tf.k:
                             self._gather_keys(emb, slots, f.slot, tf, keys, with_rows=False)
                         tf.keys = tuple(emb.row_state.keys)
+                        tf.views = None  # the slot may be new: views made below
                     if self._cuda:
                         f.ready = torch.cuda.Event()
                         f.ready.record(cs)
@@ -1174,24 +1196,19 @@ class Pipeline:
             self._claim_batch(f, compute, wait=False)  # ready is behind the batch's copy
             for buf in f.dev_bufs:  # uploaded ids not claimed with the batch (used on compute)
                 buf.record_stream(compute)
-        gate = run.gate
-        opened = None if gate is None else (lambda: gate.open(f.index))
+        tables = self.tables
         for name, tf in f.tables.items():
-            emb = self.tables[name]
-            slots = self._slots[name]
-            k = tf.k
-            rows = slots.rows(f.slot, k)
-            states = {key: slots.state(f.slot, key, k) for key in tf.keys}
-            tf.views = (rows, states)
+            if tf.views is None:
+                slots = self._slots[name]
+                tf.views = (slots.rows(f.slot, tf.k), {key: slots.state(f.slot, key, tf.k) for key in tf.keys})
+            rows, states = tf.views
+            emb = tables[name]
             _set_working(emb.weight, rows)
             rs = emb.row_state
             if rs is not None:
                 step._snaps[name] = rs.snapshot()
                 rs.install(states)
-            emb._bind(_Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
-                                      for x, inv, a in zip(tf.parts, tf.part_inverse,
-                                                           tf.aliases or [None] * len(tf.parts))],
-                               unique=tf.plan.unique, on_lookup=opened))
+            emb._bind(tf.binding)
         t1 = time.perf_counter()
         step._t_enter = t1
         if self._profile:
