@@ -675,6 +675,73 @@ def test_prefetch_gate_opens_without_lookups(depth, monkeypatch):
     assert pipe.stats["skipped"] == 4 and pipe.stats["steps"] == 4
 
 
+def _gate_mode_events(mode, monkeypatch):
+    """Steps with two planned id parts, a pause before each part's lookup and before
+    backward; returns the order of the test's marks ('first', i), ('second', i),
+    ('backward', i) and the prefetch thread's ('issue', j)."""
+    monkeypatch.setenv("STPIPE_PREFETCH_GATE", mode)
+    events = []
+    orig = Pipeline._issue
+
+    def issue(self, flight, run):
+        events.append(("issue", flight.index))
+        return orig(self, flight, run)
+
+    monkeypatch.setattr(Pipeline, "_issue", issue)
+    emb = make_emb()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    batches = make_batches("zipf", steps=6)
+    with Pipeline(emb, optimizer=opt, depth=1,
+                  ids=lambda b: (b["ids"][: len(b["ids"]) // 2], b["ids"][len(b["ids"]) // 2:])) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                a, b = step.ids
+                time.sleep(0.02)
+                events.append(("first", step.index))
+                ra = emb(a)
+                time.sleep(0.02)  # a gate opened at the first lookup lets the issue happen here
+                events.append(("second", step.index))
+                rb = emb(b)
+                loss = loss_fn(torch.cat([ra, rb]), step.batch["target"])
+                time.sleep(0.02)  # ... and one opened at the last lookup, here
+                events.append(("backward", step.index))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    assert pipe.stats["steps"] == 6
+    return events
+
+
+def _issued_before(events, mark):
+    """Batches j issued before the mark ``mark`` of step j - 1."""
+    pos = {e: i for i, e in enumerate(events)}
+    return [j for kind, j in events if kind == "issue" and j >= 1 and pos[("issue", j)] < pos[(mark, j - 1)]]
+
+
+def test_prefetch_gate_modes_open_at_their_point(monkeypatch):
+    first = _gate_mode_events("first", monkeypatch)
+    assert _issued_before(first, "first") == []
+    assert _issued_before(first, "second") != []  # the control for "last"
+    assert _issued_before(first, "backward") != []  # the control for the modes below
+    last = _gate_mode_events("last", monkeypatch)
+    assert _issued_before(last, "second") == []
+    assert _issued_before(last, "backward") != []
+    backward = _gate_mode_events("backward", monkeypatch)
+    assert _issued_before(backward, "backward") == []
+    assert [j for kind, j in backward if kind == "issue"] == list(range(6))
+
+
+def test_prefetch_gate_modes_by_value(monkeypatch):
+    from stpipe.pipeline import _gate_mode
+
+    for value, mode in [("1", "first"), ("on", "first"), ("First", "first"), (" last ", "last"),
+                        ("backward", "backward"), ("0", None), ("", None), ("nonsense", None)]:
+        monkeypatch.setenv("STPIPE_PREFETCH_GATE", value)
+        assert _gate_mode() == mode, value
+    monkeypatch.delenv("STPIPE_PREFETCH_GATE")
+    assert _gate_mode() is None
+
+
 def test_prefetch_gate_is_off_by_default(monkeypatch):
     monkeypatch.delenv("STPIPE_PREFETCH_GATE", raising=False)
     emb = make_emb()
