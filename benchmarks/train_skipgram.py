@@ -34,9 +34,7 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
   interval, an experiment), ``stpipe_depth1_gate`` / ``stpipe_depth1_nogate`` (depth 1 with the
   experimental prefetch gate on, ``STPIPE_PREFETCH_GATE=1``, or off, the default: batches
-  issued as soon as a slot is free), ``stpipe_depth1_gate_last`` /
-  ``stpipe_depth1_gate_backward`` (the gate at the step's last lookup, or at its first
-  gradient reaching a lookup: ``STPIPE_PREFETCH_GATE=last`` / ``backward``) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
+  issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
   tables written to ``--trace DIR``, default ``OUT/trace``) and ``trace0`` (depth 0 under
   cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``) and
   ``trace_prefetch`` (depth 1 with the profiler started in the prefetch thread;
@@ -521,11 +519,6 @@ class _Tracer:
 
 
 # ------------------------------------------------------------------------------ main
-#: depth-1 methods with the prefetch gate set: method -> STPIPE_PREFETCH_GATE
-_GATE_METHODS = {"stpipe_depth1_gate": "1", "stpipe_depth1_nogate": "0",
-                 "stpipe_depth1_gate_last": "last", "stpipe_depth1_gate_backward": "backward"}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=10_000_000)
@@ -600,13 +593,12 @@ def main(argv=None) -> int:
                     results[m] = st.run(args, dev, batches, 1)
                 finally:
                     sys.setswitchinterval(old_si)
-            elif m in _GATE_METHODS:
+            elif m in ("stpipe_depth1_gate", "stpipe_depth1_nogate"):
                 # depth 1 with the experimental prefetch gate on (the prefetch thread waits
-                # for the step's first lookup, its last, or its backward before issuing)
-                # or explicitly off (default)
+                # for the step's first lookup before issuing) or explicitly off (default)
                 if st is None:
                     st = _Stpipe(args, dev)
-                with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": _GATE_METHODS[m]}):
+                with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": "1" if m.endswith("_gate") else "0"}):
                     results[m] = st.run(args, dev, batches, 1)
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)

@@ -27,10 +27,8 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    *gate* until the training thread has begun step ``j - d`` (its first embedding lookup)
    or left it, so the GIL-bound part of issuing ``j`` runs while that step's backward runs
    (the training thread waits there without the GIL) instead of during the step's entry
-   and forward. ``=last`` waits for the step's last planned lookup instead, ``=backward``
-   for the first gradient reaching a lookup's output. Ordering only: no result depends on
-   it. On the H200 the first-lookup gate helped at 2M rows in one process and slowed the
-   10M-row skip-gram benchmark (benchmarks/RESULTS.md).
+   and forward. Ordering only: no result depends on it. On the H200 it helped at 2M rows
+   in one process and slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -231,21 +229,15 @@ _END = object()
 
 
 class _Gate:
-    """When the prefetch thread may issue a batch: once the training thread has reached
-    the gate's point in step ``i`` or left it (:meth:`open`). Cheap for the training
-    thread once open: one comparison.
+    """When the prefetch thread may issue a batch: after the training thread began step
+    ``i`` (first lookup) or left it (:meth:`open`). Cheap for the training thread once
+    open: one comparison."""
 
-    ``mode`` (the point): ``"first"``, the step's first embedding lookup; ``"last"``, its
-    last planned lookup (as many lookups as the step has planned id parts); ``"backward"``,
-    the first gradient that reaches a lookup's output (a tensor hook, run by autograd).
-    """
+    __slots__ = ("cond", "step")
 
-    __slots__ = ("cond", "step", "mode")
-
-    def __init__(self, mode: str = "first") -> None:
+    def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.step = -1  # the latest step begun or left
-        self.mode = mode
 
     def open(self, index: int) -> None:
         if self.step < index:
@@ -266,43 +258,10 @@ class _Gate:
         return True
 
 
-class _Opener:
-    """A step's ``on_lookup`` under the prefetch gate: opens the gate for step ``index``
-    at the gate's point (see :class:`_Gate`). Called by the training thread; the
-    ``"backward"`` hook by autograd's thread."""
-
-    __slots__ = ("gate", "index", "left")
-
-    def __init__(self, gate: _Gate, index: int, parts: int) -> None:
-        self.gate, self.index = gate, index
-        self.left = parts if gate.mode == "last" else 1
-
-    def __call__(self, out: torch.Tensor) -> None:
-        gate = self.gate
-        if gate.step >= self.index:
-            return
-        if gate.mode == "backward" and out.requires_grad:
-            out.register_hook(self._hook)  # the first of these to run opens the gate
-            return
-        self.left -= 1
-        if self.left <= 0 or gate.mode == "backward":
-            gate.open(self.index)
-
-    def _hook(self, grad: torch.Tensor) -> None:
-        self.gate.open(self.index)
-
-
-#: ``STPIPE_PREFETCH_GATE`` values -> gate mode (anything else: no gate)
-_GATE_MODES = {"1": "first", "true": "first", "yes": "first", "on": "first", "first": "first",
-               "last": "last", "backward": "backward"}
-
-
-def _gate_mode() -> Optional[str]:
-    """The experimental prefetch gate's mode from ``STPIPE_PREFETCH_GATE`` (read at each
-    run's start): ``1``/``first``, ``last`` or ``backward`` (see :class:`_Gate`); ``None``,
-    the default, for no gate: in the 10M-row benchmark the ``first`` gate slowed depth 1
-    in two runs of two."""
-    return _GATE_MODES.get(os.environ.get("STPIPE_PREFETCH_GATE", "0").strip().lower())
+def _gate_enabled() -> bool:
+    """``STPIPE_PREFETCH_GATE=1`` (read at each run's start): the experimental prefetch
+    gate is on. Off by default: it slowed the 10M-row benchmark in two runs of two."""
+    return os.environ.get("STPIPE_PREFETCH_GATE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class _Run:
@@ -317,8 +276,7 @@ class _Run:
         self.thread: Optional[threading.Thread] = None
         self.where = "starting"
         self.closed = False
-        mode = _gate_mode() if depth >= 1 else None
-        self.gate: Optional[_Gate] = None if mode is None else _Gate(mode)
+        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
 
     def take_slot(self) -> Optional[int]:
         while not self.stop.is_set():
@@ -1140,8 +1098,7 @@ class Pipeline:
         only installs them. The views stay valid until the step ends: only this flight
         re-makes its slot (:meth:`_Slots.ensure`), and then makes the views again.
         """
-        opened = None if gate is None else _Opener(gate, flight.index,
-                                                   sum(len(tf.parts) for tf in flight.tables.values()))
+        opened = None if gate is None else (lambda: gate.open(flight.index))
         for name, tf in flight.tables.items():
             slots = self._slots[name]
             k = tf.k
