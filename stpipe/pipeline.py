@@ -47,7 +47,8 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
 4. The training thread, entering step ``j``, makes its current (compute) stream wait for
    ``j.ready`` (no host synchronisation), points ``emb.weight.data`` and
    ``optimizer.state[weight][key]`` at views ``buf[:k]`` of the slot, and runs the user's
-   code.
+   code. The views and the embeddings' lookup bindings were made with the gather (step 3,
+   in the prefetch thread), so entry only installs them.
 5. Leaving step ``i`` normally, the training thread records ``done`` on the compute stream,
    and under the issue lock, on the copy stream after ``done``: (a) for every batch ``j > i``
    in flight (already gathered), copies the rows (and state) the two batches share from
@@ -318,6 +319,10 @@ class _Slots:
         if key in keys:
             return self.stack[slot][1 + keys.index(key), :k]
         return self.extra[slot][key][:k]
+
+    def views(self, slot: int, k: int, keys: Iterable[str]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The slot's first ``k`` rows and ``{key: state rows}``: what a step installs."""
+        return self.rows(slot, k), {key: self.state(slot, key, k) for key in keys}
 
     def stacked_among(self, slot: int, keys: Iterable[str]) -> List[str]:
         """The stacked keys among ``keys``, in stack order (a prefix of the stack)."""
@@ -1100,9 +1105,7 @@ class Pipeline:
         """
         opened = None if gate is None else (lambda: gate.open(flight.index))
         for name, tf in flight.tables.items():
-            slots = self._slots[name]
-            k = tf.k
-            tf.views = (slots.rows(flight.slot, k), {key: slots.state(flight.slot, key, k) for key in tf.keys})
+            tf.views = self._slots[name].views(flight.slot, tf.k, tf.keys)
             tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
@@ -1199,8 +1202,7 @@ class Pipeline:
         tables = self.tables
         for name, tf in f.tables.items():
             if tf.views is None:
-                slots = self._slots[name]
-                tf.views = (slots.rows(f.slot, tf.k), {key: slots.state(f.slot, key, tf.k) for key in tf.keys})
+                tf.views = self._slots[name].views(f.slot, tf.k, tf.keys)
             rows, states = tf.views
             emb = tables[name]
             _set_working(emb.weight, rows)
