@@ -43,7 +43,11 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 
 ``--isolate`` runs each method in a fresh process (same batches) and reports them
 together: no row then runs after another method in the same process (in one experiment
-the same configuration ran 1.31x slower after the ceiling rows than alone).
+the same configuration ran 1.31x slower after the ceiling rows than alone). With
+``--rounds K`` it does that K times, the methods' order reversed in every other round, and
+each row reports medians over its rounds; its ratios are the medians of each round's ratio
+against that round's ceiling or SpeedTorch row (isolated runs of one configuration moved by
+up to 0.47 ms per step between calls on one machine, so single rounds decide little).
 
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``).
@@ -482,6 +486,56 @@ def _run_isolated(args, methods: List[str], log) -> Dict[str, Any]:
     return results
 
 
+def _median(xs: List[float]) -> float:
+    """The median (the mean of the middle two for an even count)."""
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """``--rounds``: one row per method from its rows of every round.
+
+    Numbers are medians over the rounds the method ran in (``steps_per_s`` is that of the
+    median ``ms_per_step``). The ratios (to the ceiling, to
+    SpeedTorch's rows) are medians of each round's own ratio, a method against the
+    baseline of the same round, so a machine that speeds up or slows down between rounds
+    moves both sides. Each row keeps ``rounds_ms_per_step`` and, where a ceiling ran,
+    ``rounds_ratio_to_ceiling`` (in round order); a method that failed in every round
+    keeps its first error.
+    """
+    names: List[str] = []
+    for res in rounds:
+        names += [n for n in res if n not in names]
+    bases = {"ceiling": "gpu_sparse_adam", "speedtorch_adam": "speedtorch_adam",
+             "speedtorch_sgd": "speedtorch_sgd"}
+    out: Dict[str, Any] = {}
+    for name in names:
+        rows = [res[name] for res in rounds if "steps_per_s" in res.get(name, {})]
+        if not rows:
+            out[name] = next(res[name] for res in rounds if name in res)
+            continue
+        row = dict(rows[0])
+        for key, v in rows[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+                row[key] = _median(vals)
+        row["steps_per_s"] = 1e3 / row["ms_per_step"]  # consistent with the median time
+        row["rounds"] = len(rows)
+        row["rounds_ms_per_step"] = [r["ms_per_step"] for r in rows]
+        for label, base in bases.items():
+            if name == base or (label != "ceiling" and not name.startswith(("stpipe", "compat"))):
+                continue
+            ratios = [res[name]["steps_per_s"] / res[base]["steps_per_s"] for res in rounds
+                      if "steps_per_s" in res.get(name, {}) and res.get(base, {}).get("steps_per_s")]
+            if ratios:
+                key = "ratio_to_ceiling" if label == "ceiling" else f"ratio_to_{base}"
+                row[key] = _median(ratios)
+                row[f"rounds_{key}"] = ratios
+        out[name] = row
+    return out
+
+
 class _Tracer:
     """torch.profiler (CPU + CUDA activity) and cProfile of the training thread."""
 
@@ -533,10 +587,18 @@ def main(argv=None) -> int:
     ap.add_argument("--isolate", action="store_true",
                     help="run each method in its own fresh process (same batches: same seed) "
                          "and report them together, so no row runs after another in one process")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --isolate: run every method this many times, the order reversed "
+                         "in every other round; each row reports medians over its rounds and "
+                         "the median of its per-round ratios (default 1)")
     ap.add_argument("--uva-blocks-per-sm", type=int, default=None,
                     help="experiment: cap the UVA row kernels' grid at this many blocks per "
                          "multiprocessor (default: stpipe's, 32)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
+    if args.rounds > 1 and not args.isolate:
+        ap.error("--rounds > 1 needs --isolate (each round's methods in fresh processes)")
     if args.quick:
         args.rows = min(args.rows, 100_000)
         args.steps = min(args.steps, 20)
@@ -568,8 +630,24 @@ def main(argv=None) -> int:
     results: Dict[str, Any] = {}
     st = None
     trace_dir = args.trace or os.path.join(args.out or ".", "trace")
-    if args.isolate:
+    if args.isolate and args.rounds == 1:
         results = _run_isolated(args, methods, log)
+    elif args.isolate:
+        per_round = []
+        for r in range(args.rounds):
+            order = methods if r % 2 == 0 else methods[::-1]
+            log(f"== round {r + 1} of {args.rounds}: {','.join(order)}")
+            per_round.append(_run_isolated(args, order, log))
+        results = _combine_rounds(per_round)
+        info["rounds"] = args.rounds
+        log("")
+        log("per round, ms/step (x ceiling of the same round):")
+        for name, r in results.items():
+            if "rounds_ms_per_step" in r:
+                ratios = r.get("rounds_ratio_to_ceiling")
+                log(f"  {name:<24}" + "  ".join(
+                    f"{ms:.3f}" + (f" ({ratios[i]:.2f})" if ratios and i < len(ratios) else "")
+                    for i, ms in enumerate(r["rounds_ms_per_step"])))
     for m in ([] if args.isolate else methods):
         reset_gpu(dev)
         log(f"-- {m}")
@@ -639,7 +717,7 @@ def main(argv=None) -> int:
     ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")
     for r in results.values():
         if ceiling and "steps_per_s" in r:
-            r["ratio_to_ceiling"] = r["steps_per_s"] / ceiling
+            r.setdefault("ratio_to_ceiling", r["steps_per_s"] / ceiling)  # --rounds: set per round
     log("")
     log(f"{'method':<24}{'steps/s':>10}{'ms/step':>10}{'x ceiling':>11}{'GPU peak GB':>13}{'GPU used GB':>13}"
         f"{'host RSS GB':>13}{'train CPU ms':>14}{'prefetch CPU ms':>17}")
@@ -657,7 +735,7 @@ def main(argv=None) -> int:
         for name, r in results.items():
             if (name.startswith(("stpipe", "compat")) and "steps_per_s" in r
                     and not name.endswith(("_profile", "_trace"))):
-                r[f"ratio_to_{base}"] = r["steps_per_s"] / b
+                r.setdefault(f"ratio_to_{base}", r["steps_per_s"] / b)
         log(f"x {base}: " + ", ".join(f"{n} {r[f'ratio_to_{base}']:.2f}" for n, r in results.items()
                                        if f"ratio_to_{base}" in r))
     prof = results.get("stpipe_depth1_profile", {}).get("profile_ms")

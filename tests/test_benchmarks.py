@@ -1,0 +1,69 @@
+"""The benchmark scripts' own logic (CPU): how train_skipgram.py combines rounds."""
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "train_skipgram.py")
+
+
+@pytest.fixture(scope="module")
+def ts():
+    spec = importlib.util.spec_from_file_location("_train_skipgram_under_test", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(steps_per_s, **kw):
+    return {"steps_per_s": steps_per_s, "ms_per_step": 1e3 / steps_per_s, "host_rss_gb": 1.0,
+            "note": "n", **kw}
+
+
+def test_median(ts):
+    assert ts._median([3.0, 1.0, 2.0]) == 2.0
+    assert ts._median([4.0, 1.0]) == 2.5
+    assert ts._median([7.0]) == 7.0
+
+
+def test_combine_rounds_ratios_are_medians_of_same_round_ratios(ts):
+    # the machine doubles its speed between rounds: per-round ratios 0.9 and 1.05
+    rounds = [
+        {"gpu_sparse_adam": _row(100.0), "stpipe_depth1": _row(90.0), "speedtorch_adam": _row(30.0)},
+        {"speedtorch_adam": _row(70.0), "stpipe_depth1": _row(210.0), "gpu_sparse_adam": _row(200.0)},
+    ]
+    out = ts._combine_rounds(rounds)
+    d1 = out["stpipe_depth1"]
+    assert d1["rounds"] == 2
+    assert d1["rounds_ratio_to_ceiling"] == pytest.approx([0.9, 1.05])
+    assert d1["ratio_to_ceiling"] == pytest.approx(0.975)
+    # a ratio of medians would say 150 / 150 = 1.0 instead
+    assert d1["rounds_ratio_to_speedtorch_adam"] == pytest.approx([3.0, 3.0])
+    assert d1["ratio_to_speedtorch_adam"] == pytest.approx(3.0)
+    assert d1["ms_per_step"] == pytest.approx((1e3 / 90 + 1e3 / 210) / 2)
+    assert d1["steps_per_s"] == pytest.approx(1e3 / d1["ms_per_step"])
+    assert d1["note"] == "n" and d1["host_rss_gb"] == 1.0
+    # the baselines get no ratio to themselves; the ceiling's ratio to SpeedTorch is not asked for
+    assert "ratio_to_ceiling" not in out["gpu_sparse_adam"]
+    assert "ratio_to_speedtorch_adam" not in out["gpu_sparse_adam"]
+    assert out["speedtorch_adam"]["ratio_to_ceiling"] == pytest.approx(0.325)
+
+
+def test_combine_rounds_skips_failed_rounds_and_keeps_errors(ts):
+    rounds = [
+        {"gpu_sparse_adam": _row(100.0), "stpipe_depth0": {"error": "boom"}, "compat_adam": {"error": "e1"}},
+        {"gpu_sparse_adam": _row(100.0), "stpipe_depth0": _row(80.0), "compat_adam": {"error": "e2"}},
+    ]
+    out = ts._combine_rounds(rounds)
+    assert out["stpipe_depth0"]["rounds"] == 1
+    assert out["stpipe_depth0"]["rounds_ratio_to_ceiling"] == pytest.approx([0.8])
+    assert out["compat_adam"] == {"error": "e1"}
+    assert list(out) == ["gpu_sparse_adam", "stpipe_depth0", "compat_adam"]
+
+
+def test_rounds_needs_isolate(ts):
+    with pytest.raises(SystemExit) as exc:
+        ts.main(["--quick", "--rounds", "2"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        ts.main(["--quick", "--isolate", "--rounds", "0"])
