@@ -196,16 +196,28 @@ def check_ids(ids: Any, num_rows: int) -> np.ndarray:
         StpipeIndexError: an id outside ``[0, num_rows)``; names the first one and its
             position.
     """
+    return _check(ids, num_rows, order=False)[0]
+
+
+def _check(ids: Any, num_rows: int, order: bool) -> tuple[np.ndarray, int]:
+    """:func:`check_ids` (``order`` False: the order returned is 0, not computed) or
+    :func:`scan_ids` (``order`` True)."""
     num_rows = _check_num_rows(num_rows)
     arr = as_index_array(ids)
     flat = arr.reshape(-1)
+    found = 0
     if implementation() == "cython":
-        pos = _compiled.first_out_of_range(flat, num_rows)
+        if order:
+            pos, found = _compiled.scan_ids(flat, num_rows)
+        else:
+            pos = _compiled.first_out_of_range(flat, num_rows)
     else:
         pos = _first_out_of_range_numpy(flat, num_rows)
+        if order and pos < 0:
+            found = _order_numpy(flat)
     if pos >= 0:
         _raise_out_of_range(arr, flat, pos, num_rows)
-    return arr
+    return arr, int(found)
 
 
 def _order_numpy(flat: np.ndarray) -> int:
@@ -232,17 +244,7 @@ def scan_ids(ids: Any, num_rows: int) -> tuple[np.ndarray, int]:
     Raises:
         As :func:`check_ids`.
     """
-    num_rows = _check_num_rows(num_rows)
-    arr = as_index_array(ids)
-    flat = arr.reshape(-1)
-    if implementation() == "cython":
-        pos, order = _compiled.scan_ids(flat, num_rows)
-    else:
-        pos = _first_out_of_range_numpy(flat, num_rows)
-        order = _order_numpy(flat) if pos < 0 else 0
-    if pos >= 0:
-        _raise_out_of_range(arr, flat, pos, num_rows)
-    return arr, int(order)
+    return _check(ids, num_rows, order=True)
 
 
 def same_ids(a: np.ndarray, b: np.ndarray) -> bool:
