@@ -96,6 +96,10 @@ def _as_count(name: str, value: Any) -> int:
     return int(value)
 
 
+#: :attr:`HostTable._sole` before any GPU access is recorded
+_NONE = -1
+
+
 def _resolve_device(device: DeviceLike, cuda: bool) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -235,6 +239,9 @@ class HostTable:
         # (event, stream handle) of the last GPU write, and the last GPU read per stream
         self._write_event: Optional[Tuple["torch.cuda.Event", int]] = None
         self._read_events: Dict[int, "torch.cuda.Event"] = {}
+        #: the stream handle every recorded event is on (``_NONE``: no event; ``None``:
+        #: several streams), so an access on that stream skips :meth:`_before`'s walk
+        self._sole: Optional[int] = _NONE
         self._owner: Any = None
         return bool(pin)
 
@@ -331,7 +338,7 @@ class HostTable:
     def _sync_all(self) -> None:
         with self._lock:
             events = ([self._write_event[0]] if self._write_event else []) + list(self._read_events.values())
-            self._write_event, self._read_events = None, {}
+            self._write_event, self._read_events, self._sole = None, {}, _NONE
         for ev in events:
             ev.synchronize()
 
@@ -351,6 +358,9 @@ class HostTable:
         movers wait on all of them, since their reads and writes are host-side).
         """
         handle = stream.cuda_stream
+        sole = self._sole
+        if (sole == _NONE or sole == handle) and not mover.uses_cpu:
+            return  # nothing recorded, or all of it on this stream: ordered already
         with self._lock:
             events = [self._write_event] if self._write_event else []
             if write and self._read_events:
@@ -372,9 +382,11 @@ class HostTable:
         handle = stream.cuda_stream
         with self._lock:
             if write:
-                self._write_event, self._read_events = (ev, handle), {}
+                self._write_event, self._read_events, self._sole = (ev, handle), {}, handle
             else:
                 self._read_events[handle] = ev  # supersedes earlier reads on this stream
+                sole = self._sole
+                self._sole = handle if (sole == _NONE or sole == handle) else None
 
     def _stream(self, stream: Optional["torch.cuda.Stream"]) -> "torch.cuda.Stream":
         if stream is None:

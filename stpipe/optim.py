@@ -322,12 +322,17 @@ class RowState:
         state = self._state()
         if not state:
             return None
-        per_row = set(self.keys)
-        return {
-            k: (v.detach().clone() if torch.is_tensor(v) else copy.copy(v))
-            for k, v in state.items()
-            if k not in per_row
-        }
+        per_row = self.keys
+        out: Dict[str, Any] = {}
+        for k, v in state.items():
+            if k in per_row:
+                continue
+            if isinstance(v, torch.Tensor):
+                # a training step snapshots Adam's `step` (a CPU scalar): one torch call
+                out[k] = v.clone() if not v.requires_grad else v.detach().clone()
+            else:
+                out[k] = copy.copy(v)
+        return out
 
     def restore(self, snap: Optional[Dict[str, Any]]) -> None:
         """Undo a failed step: put back the scalar state saved by :meth:`snapshot`."""

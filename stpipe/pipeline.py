@@ -310,6 +310,9 @@ class _Slots:
         #: per slot: (op, first plane, planes) -> (tables, prepared move or None), for
         #: the slot's current stack (cleared when :meth:`ensure` replaces it)
         self.moves: List[Dict[Tuple[str, int, int], Tuple[List[Any], Any]]] = [dict() for _ in range(num_slots)]
+        #: (source slot, destination slot, planes) -> (source stack, destination stack,
+        #: prepared carry or None), checked against the current stacks (:meth:`carry`)
+        self.carries: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor, Any]] = {}
 
     def rows(self, slot: int, k: int) -> torch.Tensor:
         return self.stack[slot][0, :k]
@@ -341,6 +344,23 @@ class _Slots:
         move = _prepare_move(op, tables, self.stack[slot][lo:lo + len(tables)])
         cache[key] = (list(tables), move)
         return move
+
+    def carry(self, src: int, dst: int, planes: int) -> Any:
+        """The prepared carry of the first ``planes`` planes from slot ``src``'s stack into
+        slot ``dst``'s (``CupyBackend.prepare_carry``: a fix-up is then one call with the
+        two index addresses), or ``None`` where the carry kernel cannot run. Made once per
+        pair of stacks."""
+        key = (src, dst, planes)
+        a, b = self.stack[src], self.stack[dst]
+        hit = self.carries.get(key)
+        if hit is not None and hit[0] is a and hit[1] is b:
+            return hit[2]
+        carrier = _cupy_backend()
+        prepared = None
+        if carrier is not None and a.shape[2] * a.element_size() % 2 == 0:
+            prepared = carrier.prepare_carry(a, b, planes)
+        self.carries[key] = (a, b, prepared)
+        return prepared
 
     def fits(self, slot: int, k: int, keys: Sequence[str]) -> bool:
         """Whether slot ``slot`` holds ``k`` rows and every key already (no :meth:`ensure`)."""
@@ -374,6 +394,8 @@ class _Slots:
                 self._retire(old, streams)
             self.stack[slot], self.stacked[slot] = new, want
             self.moves[slot].clear()
+            for key in [key for key in self.carries if slot in key[:2]]:
+                del self.carries[key]
             extra = self.extra[slot]
             for key, buf in list(extra.items()):
                 grown = torch.empty(new_cap, emb.embedding_dim, dtype=buf.dtype, device=emb.device)
@@ -1370,10 +1392,9 @@ class Pipeline:
         while m < min(len(sf), len(sg)) and sf[m] == sg[m]:
             m += 1
         src, dst = slots.stack[f.slot], slots.stack[g.slot]
-        carrier = _cupy_backend() if self._cuda else None
-        if carrier is not None and src.shape[2] * src.element_size() % 2 == 0:
-            # one launch for all 1 + m planes
-            carrier.carry_many(src, dst, 1 + m, pp.ptr, np_.ptr, pp.n, self._copy_stream)
+        carry = slots.carry(f.slot, g.slot, 1 + m) if self._cuda else None
+        if carry is not None:
+            carry(pp.ptr, np_.ptr, pp.n, self._copy_stream)  # one launch for all 1 + m planes
         else:
             pt, nt = pp.tensor(), np_.tensor()
             dst[: 1 + m].index_copy_(1, nt, src[: 1 + m, : ftf.k].index_select(1, pt))

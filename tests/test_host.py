@@ -486,3 +486,62 @@ def test_scatter_checks_repeats_of_an_index_batch_against_this_table():
     ok = IndexBatch(host=np.array([18, 2, 11], dtype=np.int64), checked_rows=12)
     t.scatter(ok, torch.ones(3, 2))
     assert torch.all(t.tensor()[[18, 2, 11]] == 1)
+
+
+# -- cross-stream ordering bookkeeping (fake streams and events: no GPU needed) -------------
+class _FakeStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+        self.waited = []
+
+    def wait_event(self, ev):
+        self.waited.append(ev)
+
+
+class _FakeMover:
+    uses_cpu = False
+    needs_pinned = True
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_before_waits_only_for_other_streams(write):
+    t = make()
+    a, b, m = _FakeStream(11), _FakeStream(22), _FakeMover()
+    t._before(m, a, write=write)  # nothing recorded yet: nothing to wait for
+    assert a.waited == []
+    t._after(m, a, write=True, ev="w_a")
+    t._before(m, a, write=write)  # the same stream orders it already
+    assert a.waited == []
+    t._before(m, b, write=write)  # another stream waits for the write
+    assert b.waited == ["w_a"]
+    t._after(m, b, write=False, ev="r_b")  # now a read on b as well
+    a.waited.clear()
+    t._before(m, a, write=True)  # a write on a waits for b's read
+    assert a.waited == ["r_b"]
+    a.waited.clear()
+    t._before(m, a, write=False)  # a read on a needs only the write (on a itself)
+    assert a.waited == []
+    t._after(m, a, write=True, ev="w2_a")  # a write supersedes the reads
+    b.waited.clear()
+    t._before(m, a, write=True)
+    assert a.waited == []
+    t._before(m, b, write=True)
+    assert b.waited == ["w2_a"]
+
+
+def test_before_of_a_cpu_mover_waits_for_every_event():
+    class Ev:
+        def __init__(self):
+            self.synced = 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    t = make()
+    a = _FakeStream(11)
+    gpu, cpu = _FakeMover(), _FakeMover()
+    cpu.uses_cpu = True
+    w = Ev()
+    t._after(gpu, a, write=True, ev=w)
+    t._before(cpu, a, write=False)  # host-side access: even the same stream's write
+    assert w.synced == 1 and a.waited == []

@@ -261,6 +261,28 @@ class _Prepared:
                 (*part, ids_ptr, base, self._plane, total, words), pointers=MANY + 2)
 
 
+class _PreparedCarry:
+    """One :meth:`CupyBackend.carry_many` between fixed buffers
+    (:meth:`CupyBackend.prepare_carry`)."""
+
+    __slots__ = ("_backend", "_index", "_word", "_words", "_sms", "_src", "_dst", "_sp", "_dp", "_planes")
+
+    def __init__(self, backend: "CupyBackend", index: int, word: int, words: int, sms: int,
+                 src: int, dst: int, sp: int, dp: int, planes: int) -> None:
+        self._backend, self._index, self._word, self._words, self._sms = backend, index, word, words, sms
+        self._src, self._dst, self._sp, self._dp, self._planes = src, dst, sp, dp, planes
+
+    def __call__(self, src_rows: int, dst_rows: int, n: int, stream: "torch.cuda.Stream") -> None:
+        if n <= 0 or self._planes <= 0:
+            return
+        words = self._words
+        total = n * words
+        blocks, threads = launch_shape(total, self._sms)
+        self._backend._run(self._index, "carry_many", self._word, (blocks, self._planes), threads, stream,
+                           (self._src, self._dst, src_rows, dst_rows, self._sp, self._dp, total, words),
+                           pointers=4)
+
+
 def _device_pointer_check(cp, ptr: int) -> None:
     """Check that the host pointer is page-locked and directly usable on the device."""
     try:
@@ -468,17 +490,19 @@ class CupyBackend:
         """
         if n <= 0 or planes <= 0:
             return
+        self.prepare_carry(src, dst, planes)(src_rows, dst_rows, n, stream)
+
+    def prepare_carry(self, src: torch.Tensor, dst: torch.Tensor, planes: int) -> "_PreparedCarry":
+        """:meth:`carry_many` between fixed buffers, everything but the row indices and
+        their count worked out once: ``prepared(src_rows, dst_rows, n, stream)``. The
+        pipeline keeps one per pair of staging slots."""
         index = src.device.index
         isz = src.element_size()
         rb = src.shape[2] * isz
         sp, dp = src.stride(0) * isz, dst.stride(0) * isz
         word = word_bytes(rb, src.data_ptr(), dst.data_ptr(), sp, dp)
-        words = rb // word
-        total = n * words
-        blocks, threads = launch_shape(total, self._sms_of(index, "carry_many", word))
-        self._run(index, "carry_many", word, (blocks, planes), threads, stream,
-                  (src.data_ptr(), dst.data_ptr(), src_rows, dst_rows, sp // word, dp // word,
-                   total, words), pointers=4)
+        return _PreparedCarry(self, index, word, rb // word, self._sms_of(index, "carry_many", word),
+                              src.data_ptr(), dst.data_ptr(), sp // word, dp // word, planes)
 
     def scatter_last(self, table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                      stamps: torch.Tensor, bad: torch.Tensor, call: int,
