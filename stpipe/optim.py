@@ -58,6 +58,7 @@ import inspect
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
@@ -221,6 +222,15 @@ def fresh_row_state(
 TableFactory = Callable[[str, torch.dtype, torch.Tensor], Any]
 
 
+class _Saved:
+    """A CPU scalar state tensor's value saved by :meth:`RowState.snapshot` as numpy."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+
 class RowState:
     """The per-row state of one table's working parameter under one optimizer.
 
@@ -249,6 +259,8 @@ class RowState:
         self.scalar_keys: Tuple[str, ...] = ()
         self.tables: Dict[str, Any] = {}
         self.discovered = False
+        #: key -> (scalar state tensor, its data pointer, numpy view) (:meth:`_copy_scalar`)
+        self._views: Dict[str, Tuple[torch.Tensor, int, np.ndarray]] = {}
 
     def __repr__(self) -> str:
         return (f"RowState({type(self.optimizer).__name__}, keys={list(self.keys)}, "
@@ -327,12 +339,26 @@ class RowState:
         for k, v in state.items():
             if k in per_row:
                 continue
-            if isinstance(v, torch.Tensor):
-                # a training step snapshots Adam's `step` (a CPU scalar): one torch call
-                out[k] = v.clone() if not v.requires_grad else v.detach().clone()
-            else:
-                out[k] = copy.copy(v)
+            out[k] = self._copy_scalar(k, v) if isinstance(v, torch.Tensor) else copy.copy(v)
         return out
+
+    def _copy_scalar(self, key: str, v: torch.Tensor) -> Any:
+        """A copy of scalar state ``v`` for :meth:`restore`. Every step snapshots Adam's
+        ``step`` (a CPU tensor updated in place), so a CPU tensor is read through a numpy
+        view made once per tensor: a numpy copy, no torch call (each may hand the GIL
+        to the prefetch thread); :class:`_Saved` turns it back into a tensor."""
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is v and hit[1] == v.data_ptr():
+            return _Saved(hit[2].copy())
+        if v.device.type == "cpu" and not v.requires_grad and v.layout == torch.strided:
+            try:
+                arr = v.numpy()
+            except (RuntimeError, TypeError):  # bfloat16, conj/neg bits, ...
+                arr = None
+            if arr is not None:
+                self._views[key] = (v, v.data_ptr(), arr)
+                return _Saved(arr.copy())
+        return v.detach().clone()
 
     def restore(self, snap: Optional[Dict[str, Any]]) -> None:
         """Undo a failed step: put back the scalar state saved by :meth:`snapshot`."""
@@ -343,4 +369,4 @@ class RowState:
         for k in [k for k in state if k not in snap and k not in self.keys]:
             del state[k]
         for k, v in snap.items():
-            state[k] = v
+            state[k] = torch.from_numpy(v.array) if isinstance(v, _Saved) else v

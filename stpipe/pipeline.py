@@ -1315,7 +1315,7 @@ class Pipeline:
             rs = emb.row_state
             keys = rs.keys if rs is not None else ()
             cached = tf.views
-            if keys and any(key not in tf.keys for key in keys):
+            if keys and keys != tf.keys and any(key not in tf.keys for key in keys):
                 slots.ensure(f.slot, k, keys, (cs, compute))  # keys discovered this step
                 cached = None
             rows = cached[0] if cached is not None else slots.rows(f.slot, k)
@@ -1328,11 +1328,15 @@ class Pipeline:
                     )
                 rows.copy_(w.detach())
             sv = {}
+            state = rs._state() if keys else None
             for key in keys:
                 buf = cached[1][key] if cached is not None else slots.state(f.slot, key, k)
-                cur = rs.current(key)
-                if cur.data_ptr() != buf.data_ptr() or cur.shape != buf.shape:
-                    buf.copy_(cur)
+                cur = state.get(key) if state is not None else None
+                if cur is not buf:  # the optimizer no longer holds the installed view
+                    if cur is None:
+                        cur = rs.current(key)  # raises: the key is gone
+                    if cur.data_ptr() != buf.data_ptr() or cur.shape != buf.shape:
+                        buf.copy_(cur)
                 sv[key] = buf
             views[name] = (rows, sv)
         with self._lock:

@@ -106,6 +106,35 @@ def test_row_state_snapshot_restore():
     assert torch.equal(opt.state[p]["step"], step) and torch.equal(opt.state[p]["eta"], eta)
 
 
+def test_row_state_snapshot_of_in_place_scalars_and_replaced_ones():
+    """Adam's ``step`` is updated in place and read through a cached numpy view: every
+    snapshot holds its own value, a restored (new) tensor is snapshotted afresh, and a
+    dtype numpy cannot hold (bfloat16) is cloned."""
+    p = _param()
+    opt = torch.optim.Adam([p], lr=0.1)
+    rs = RowState(opt, p, lambda key, dtype, row: None)
+    opt.step()
+    rs.discover()
+    snaps = []
+    for _ in range(3):
+        snaps.append(rs.snapshot())
+        opt.step()
+    assert float(opt.state[p]["step"]) == 4.0
+    rs.restore(snaps[1])
+    assert float(opt.state[p]["step"]) == 2.0 and opt.state[p]["step"].dtype == torch.float32
+    restored = opt.state[p]["step"]
+    opt.step()
+    snap = rs.snapshot()  # the restored tensor is another object: a new view
+    opt.step()
+    rs.restore(snap)
+    assert float(opt.state[p]["step"]) == 3.0 and opt.state[p]["step"] is not restored
+    opt.state[p]["step"] = torch.tensor(7.0, dtype=torch.bfloat16)
+    snap = rs.snapshot()
+    opt.state[p]["step"] += 1
+    rs.restore(snap)
+    assert opt.state[p]["step"].dtype == torch.bfloat16 and float(opt.state[p]["step"]) == 7.0
+
+
 # -------------------------------------------------------------------------- references
 def _batches(steps=30, seed=0, n=24):
     rng = np.random.default_rng(seed)

@@ -689,3 +689,46 @@ def test_prefetch_gate_is_off_by_default(monkeypatch):
             assert pipe._run.gate is not None
             with step:
                 pass
+
+
+# ------------------------------------------------ what the user's step may do to the state
+@pytest.mark.parametrize("depth", [0, 1])
+def test_state_replaced_during_step_is_written_back(depth):
+    """The optimizer's per-row state replaced by another tensor during a step (not the
+    installed view): the write-back takes the replacement's values."""
+    emb = make_emb()
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    batches = make_batches("zipf", steps=4)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                loss_fn(emb(step.ids), step.batch["target"]).backward()
+                opt.step()
+                opt.zero_grad()
+                if step.index == 2:
+                    st = opt.state[emb.weight]
+                    new = torch.full_like(st["exp_avg"], 0.25)
+                    st["exp_avg"] = new
+                    uniq = step.plans[None].unique
+        pipe.synchronize()
+    got = emb.state_tables["exp_avg"].tensor()[torch.from_numpy(uniq)]
+    # step 3 updated some of these rows again; those it did not touch hold 0.25
+    later = set(batches[3]["ids"].tolist())
+    keep = [i for i, r in enumerate(uniq.tolist()) if r not in later]
+    assert keep and torch.equal(got[keep], torch.full((len(keep), DIM), 0.25))
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_state_key_dropped_during_step_is_an_error(depth):
+    emb = make_emb()
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    batches = make_batches("zipf", steps=3)
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
+        with pytest.raises(StpipeRuntimeError, match="exp_avg_sq"):
+            for step in pipe.run(batches):
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if step.index == 1:
+                        del opt.state[emb.weight]["exp_avg_sq"]
