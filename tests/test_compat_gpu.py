@@ -271,3 +271,48 @@ def test_datagadget_side_by_side_and_files_readable_by_both(speedtorch, tmp_path
     theirs.loadCupy(str(tmp_path / "ours.npy"))      # SpeedTorch reads stpipe's file
     ours.loadCupy(str(tmp_path / "theirs.npy"))      # and stpipe reads SpeedTorch's
     np.testing.assert_array_equal(ours.getNumpyVersion(), theirs.getNumpyVersion())
+
+
+@pytest.mark.parametrize("dups", [False, True], ids=["distinct", "dups"])
+@pytest.mark.parametrize("reader", ["fused", "getNumpyVersion", "beforeForwardPass", "optimizer-first"])
+def test_weight_write_back_waits_for_the_state_and_every_reader_sees_it(reader, dups):
+    """Pinned tables with CuPy: the model switcher's write-back is left for the optimizer
+    switcher's, which writes weight and state rows in one launch; a read of the table in
+    between (getNumpyVersion, the next beforeForwardPass) writes the weight first, and the
+    other call order writes each as before. Every table ends as the step left it."""
+    dev, n, dim, B = "cuda", 50, 8, 6
+    model = SkipGram(B, B, dim).to(dev)
+    mf = SpeedTorch.ModelFactory(model.u_embeddings, n, dim, CPUPinn=True)
+    mf.uniformDistributionInit(-1, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    of = SpeedTorch.OptimizerFactory(opt, n, dim, model, "u_embeddings", CPUPinn=True)
+    of.optInit()
+    ids = np.array([3, 7, 3, 9, 20, 7] if dups else [3, 7, 1, 9, 20, 11])
+    mf.beforeForwardPass(ids)
+    of.beforeForwardPass(ids)
+    w = model.u_embeddings.weight
+    (model.u_embeddings(torch.arange(B, device=dev)) ** 2).sum().backward()
+    opt.step()
+    rows = w.detach().cpu().numpy().copy()  # unique ids ascending (dups) or one per position
+    order = np.unique(ids) if dups else ids
+    state = {k: v.detach().cpu().numpy().copy() for k, v in opt.state[w].items() if v.dim() == 2}
+    if reader == "optimizer-first":
+        of.afterOptimizerStep(ids)
+        mf.afterOptimizerStep(ids)
+        assert mf._pending is None
+    else:
+        mf.afterOptimizerStep(ids)
+        assert mf._pending is not None  # deferred: the fused path is taken
+        if reader == "getNumpyVersion":
+            np.testing.assert_array_equal(mf.getNumpyVersion()[order], rows)
+            assert mf._pending is None
+        elif reader == "beforeForwardPass":
+            mf.beforeForwardPass(ids)  # reads the table: the rows the step wrote
+            np.testing.assert_array_equal(w.detach().cpu().numpy(), rows)
+            assert mf._pending is None
+        of.afterOptimizerStep(ids)
+        assert mf._pending is None
+    np.testing.assert_array_equal(mf.getNumpyVersion()[order], rows)
+    tables = of.getNumpyVersion()
+    for key, want in state.items():
+        np.testing.assert_array_equal(tables[key][order], want)

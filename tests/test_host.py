@@ -545,3 +545,36 @@ def test_before_of_a_cpu_mover_waits_for_every_event():
     t._after(gpu, a, write=True, ev=w)
     t._before(cpu, a, write=False)  # host-side access: even the same stream's write
     assert w.synced == 1 and a.waited == []
+
+
+def test_fused_move_launches_are_reused_per_geometry(monkeypatch):
+    """``_move_many`` reuses a fused move's launch arguments for the same tables and plane
+    geometry (any row count), and prepares anew for other tables or another geometry;
+    the cache does not keep dropped tables alive."""
+    import weakref
+
+    import stpipe.host as host
+
+    made = []
+
+    class Prepared:
+        def __init__(self, op, tables, planes):
+            self._mover, self._launch = "mover", ("launch", planes.data_ptr(), planes.stride(0))
+            made.append((op, len(tables)))
+
+    monkeypatch.setattr(host, "_prepare_move", Prepared)
+    monkeypatch.setattr(host, "_LAUNCHES", {})
+    a, b = make(), make()
+    buf = torch.empty(2, 40, 8)
+    m1 = host._prepare_move_cached("gather", [a, b], buf[:, :10])
+    m2 = host._prepare_move_cached("gather", [a, b], buf[:, :25])  # another row count
+    assert len(made) == 1 and isinstance(m2, host._PreparedMove)
+    assert m2._launch == m1._launch and m2.tables == [a, b]
+    host._prepare_move_cached("scatter", [a, b], buf[:, :25])  # another op
+    host._prepare_move_cached("gather", [b, a], buf[:, :25])  # other tables
+    host._prepare_move_cached("gather", [a, b], torch.empty(2, 50, 8)[:, :10])  # other geometry
+    assert len(made) == 4
+    ref = weakref.ref(b)
+    del b, m1, m2
+    gc.collect()
+    assert ref() is None  # the cache holds tables weakly

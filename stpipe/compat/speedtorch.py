@@ -41,6 +41,16 @@ Differences from SpeedTorch (its defects, fixed):
   tables wrapped such ids around onto another row.) Float ids raise :class:`TypeError`.
 * **No device-wide synchronisation per swap**: gathers and scatters run on the current
   CUDA stream of the model's device; host tables order their own accesses with events.
+* **Fewer launches per swap** (pinned tables, CuPy present): a model switcher's
+  ``beforeForwardPass`` gathers the weight rows and the rows of its
+  :class:`OptimizerFactory`'s state tables in one UVA launch, and the optimizer
+  switcher's ``beforeForwardPass`` installs them. In ``afterOptimizerStep`` the model
+  switcher leaves its write-back to the optimizer switcher's ``afterOptimizerStep``, which
+  writes weight and state rows in one launch. Nothing can tell: any call that reads or
+  writes the model switcher's table first (``getNumpyVersion``, a save, the next
+  ``beforeForwardPass``, the other call order) writes the weight rows then. (They are
+  the rows the weight holds at that moment: a change made to the weight in place between
+  the two calls would be written too.)
 * **No global allocator swapping**: pinned tables are page-locked in place at exact size.
 * **Optimizer switchers run on PyTorch 2.x** (SpeedTorch's step state was a Python int):
   SparseAdam, Adagrad, Adadelta, Adamax, Adam, AdamW, ASGD, RMSprop, Rprop, and also SGD,
@@ -623,6 +633,10 @@ def _flat_ids(pos: Any, neg: Any, num_rows: int) -> np.ndarray:
         [a.astype(np.int64), b.astype(np.int64)])
 
 
+#: rows a fused gather's planes are rounded up to (:meth:`_Layout.gather_planes`)
+_CAP_ROUND = 1024
+
+
 class _Layout:
     """How one batch's ids map onto the rows a model variable holds.
 
@@ -745,7 +759,10 @@ class _Layout:
 
         s0 = stores[0]
         uids = self._uids(s0)
-        buf = torch.empty((len(stores), self.k, s0.dim), dtype=s0.dtype, device=device)
+        # planes strided by a rounded capacity: the same geometry recurs from batch to
+        # batch, so the fused move's launch arguments are reused (host._prepare_move_cached)
+        cap = -(-max(self.k, 1) // _CAP_ROUND) * _CAP_ROUND
+        buf = torch.empty((len(stores), cap, s0.dim), dtype=s0.dtype, device=device)[:, :self.k]
         gather_many([s.table for s in stores], uids, buf)
         if self.compact or self.identity:
             return buf
@@ -791,13 +808,30 @@ class _Stash:
     it owns, when it is called, as without the fusing.
     """
 
-    __slots__ = ("planes", "stores", "versions", "taken")
+    __slots__ = ("planes", "stores", "versions", "taken", "weight_from")
 
     def __init__(self, planes: torch.Tensor, stores: List["_HostStore"]) -> None:
         self.planes = planes
         self.stores = list(stores)
         self.versions = [st.version for st in stores]
         self.taken: Dict[int, torch.Tensor] = {}  # g -> the tensor installed in the state
+        #: the model switcher whose weight write-back waits for the state's (or None)
+        self.weight_from: Optional["_ModelSwitch"] = None
+
+    def defers_weight(self, store: Any, w: torch.Tensor, opt: Optional["_OptimizerSwitch"]) -> bool:
+        """Whether the model switcher's write-back of ``w`` (the weight over ``store``)
+        can wait for the optimizer switcher ``opt`` to write it with its state in one
+        launch: this gather read ``store`` and ``opt``'s tables (in this order), ``opt``
+        installed every state plane, and ``w`` still holds plane 0."""
+        if opt is None or self.stores[0] is not store or self.weight_from is not None:
+            return False
+        tables = opt._tables or {}
+        if len(tables) != len(self.stores) - 1 or len(self.taken) != len(tables):
+            return False
+        if any(a is not b for a, b in zip(tables.values(), self.stores[1:])):
+            return False
+        rows = self.planes[0]
+        return w.data_ptr() == rows.data_ptr() and w.shape == rows.shape
 
     def _index(self, store: Any) -> int:
         for g in range(1, len(self.stores)):
@@ -975,6 +1009,10 @@ class _TableSwitch:
     """Common part of the model switchers: one table, init, files, numpy."""
 
     _cupy_named = False
+    #: a weight write-back left for the optimizer switcher to fuse with its own:
+    #: ``(layout, stash)``; written by :meth:`_require` before anything else reads or
+    #: writes the table (see :meth:`_ModelSwitch.afterOptimizerStep`)
+    _pending: Optional[Tuple["_Layout", "_Stash"]] = None
 
     def _setup_table(self, total_classes: Any, embed_dimension: Any, datatype: Any) -> None:
         self.total_classes = _check_count("total_classes", total_classes)
@@ -986,6 +1024,7 @@ class _TableSwitch:
         return torch.device("cpu")
 
     def _fresh(self) -> Union[_TensorStore, _HostStore]:
+        self._pending = None  # the table it was for is replaced
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -1001,7 +1040,16 @@ class _TableSwitch:
                 + (", customInit()" if hasattr(self, "customInit") else "")
                 + " or a load method first"
             )
+        if self._pending is not None:
+            self._write_pending()
         return self._store
+
+    def _write_pending(self) -> None:
+        """Write the deferred weight rows now, as the model switcher's own write-back."""
+        lay, stash = self._pending
+        self._pending = None
+        stash.weight_from = None
+        lay.scatter(self._store, stash.planes[0])
 
     # -- initialisers (SpeedTorch names) --------------------------------------------
     def zerosInit(self) -> None:
@@ -1035,6 +1083,7 @@ class _TableSwitch:
         store, _ = _load_store(loadFileName, self._where, self._rows_device(),
                                expect=(self.total_classes, self.embed_dimension),
                                dtype=self._dtype)
+        self._pending = None  # the table it was for is replaced
         if self._store is not None:
             self._store.close()
         self._store = store
@@ -1133,9 +1182,16 @@ class _ModelSwitch(_TableSwitch):
             ValueError: the weight does not hold these ids' rows (different ids than at
                 :meth:`beforeForwardPass`).
         """
-        store = self._require()
+        store = self._require()  # writes a write-back still deferred from before
         w = _weight_of(self.model_variable)
         lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        stash = lay.stash
+        if stash is not None and stash.defers_weight(store, w, _opt_switch(w)):
+            # the optimizer switcher's afterOptimizerStep writes these rows in the same
+            # launch as its state; anything that touches the table first writes them
+            self._pending = (lay, stash)
+            stash.weight_from = self
+            return
         lay.scatter(store, w.data)
 
     def close(self) -> None:
@@ -1143,6 +1199,7 @@ class _ModelSwitch(_TableSwitch):
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
             self._hook = None
+        self._pending = None
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -1474,12 +1531,23 @@ class _OptimizerSwitch:
         lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
         state = self.given_optimizer.state.get(p, {})
         stash = lay.stash
+        owner = stash.weight_from if stash is not None else None
+        if owner is not None and (owner._pending is None or owner._pending[1] is not stash):
+            owner = None  # written already
         if stash is not None and stash.state_writable(state, tables):
             # the state rows installed from the model switcher's fused gather, stepped
-            # in place: every state table in one launch
-            lay.scatter_planes(stash.stores[1:], stash.planes[1:])
+            # in place: every state table in one launch, with the weight rows when the
+            # model switcher left them for this launch
+            if owner is not None:
+                owner._pending = None
+                lay.scatter_planes(stash.stores, stash.planes)
+            else:
+                lay.scatter_planes(stash.stores[1:], stash.planes[1:])
+            stash.weight_from = None
             lay.stash = None
             return
+        if owner is not None:
+            owner._write_pending()  # the weight first, as without the deferral
         for key, store in tables.items():
             t = state.get(key)
             if isinstance(t, torch.Tensor):
