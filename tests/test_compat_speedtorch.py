@@ -911,15 +911,30 @@ def _run_orders(device, opt_name, order, dups, steps=6, B=4, P=2, N=3, n_u=30, n
 def test_fused_state_moves_bit_identical_to_unfused(monkeypatch, device, opt_name, order, dups):
     """A pinned weight and its optimizer-state tables move in one fused gather, and the
     state tables in one fused write-back when the optimizer stepped on the installed
-    tensors. Whatever the order of the switcher calls, the tables (weights and state)
-    and losses are bit-identical to moving each table on its own: a state tensor the
-    user replaced is written from the new tensor, a second ``beforeForwardPass``
-    re-reads the table, and a skipped optimizer ``afterOptimizerStep`` writes no state."""
+    tensors, together with the weight rows when the model switcher's
+    ``afterOptimizerStep`` came first (it leaves them to that launch). Whatever the order
+    of the switcher calls, the tables (weights and state) and losses are bit-identical to
+    moving each table on its own: a state tensor the user replaced is written from the
+    new tensor, a second ``beforeForwardPass`` re-reads the table, and a skipped optimizer
+    ``afterOptimizerStep`` writes no state (the weight rows left for it are written when
+    the table is next read)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     calls = _force_fusing(monkeypatch, True)
+    deferred = []
+    real_defers = SpeedTorch._Stash.defers_weight
+
+    def defers(self, *args):
+        ok = real_defers(self, *args)
+        deferred.append(ok)
+        return ok
+
+    monkeypatch.setattr(SpeedTorch._Stash, "defers_weight", defers)
     fused = _run_orders(device, opt_name, order, dups)
     assert any(calls), "the fused path never ran"
+    # the model switcher leaves its write-back to the optimizer switcher's launch
+    # whenever it is called first (every order but opt-first)
+    assert any(deferred) == (order != "opt-first")
     monkeypatch.undo()
     _force_fusing(monkeypatch, False)
     plain = _run_orders(device, opt_name, order, dups)
