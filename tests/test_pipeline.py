@@ -692,25 +692,37 @@ def test_prefetch_gate_is_off_by_default(monkeypatch):
 
 
 # ------------------------------------------------ what the user's step may do to the state
-@pytest.mark.parametrize("depth", [0, 1])
-def test_state_replaced_during_step_is_written_back(depth):
-    """The optimizer's per-row state replaced by another tensor during a step (not the
-    installed view): the write-back takes the replacement's values."""
+def _adam_run(depth, steps, during):
+    """Adam over Zipf batches; ``during(step, opt, emb)`` runs in each step after
+    ``opt.step()``. Returns the embedding and the batches."""
     emb = make_emb()
     opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    batches = make_batches("zipf", steps=4)
+    batches = make_batches("zipf", steps=steps)
     with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
         for step in pipe.run(batches):
             with step:
                 loss_fn(emb(step.ids), step.batch["target"]).backward()
                 opt.step()
                 opt.zero_grad()
-                if step.index == 2:
-                    st = opt.state[emb.weight]
-                    new = torch.full_like(st["exp_avg"], 0.25)
-                    st["exp_avg"] = new
-                    uniq = step.plans[None].unique
+                during(step, opt, emb)
         pipe.synchronize()
+    return emb, batches
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_state_replaced_during_step_is_written_back(depth):
+    """The optimizer's per-row state replaced by another tensor during a step (not the
+    installed view): the write-back takes the replacement's values."""
+    seen = {}
+
+    def replace(step, opt, emb):
+        if step.index == 2:
+            st = opt.state[emb.weight]
+            st["exp_avg"] = torch.full_like(st["exp_avg"], 0.25)
+            seen["uniq"] = step.plans[None].unique
+
+    emb, batches = _adam_run(depth, 4, replace)
+    uniq = seen["uniq"]
     got = emb.state_tables["exp_avg"].tensor()[torch.from_numpy(uniq)]
     # step 3 updated some of these rows again; those it did not touch hold 0.25
     later = set(batches[3]["ids"].tolist())
@@ -720,15 +732,9 @@ def test_state_replaced_during_step_is_written_back(depth):
 
 @pytest.mark.parametrize("depth", [0, 1])
 def test_state_key_dropped_during_step_is_an_error(depth):
-    emb = make_emb()
-    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    batches = make_batches("zipf", steps=3)
-    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
-        with pytest.raises(StpipeRuntimeError, match="exp_avg_sq"):
-            for step in pipe.run(batches):
-                with step:
-                    loss_fn(emb(step.ids), step.batch["target"]).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    if step.index == 1:
-                        del opt.state[emb.weight]["exp_avg_sq"]
+    def drop(step, opt, emb):
+        if step.index == 1:
+            del opt.state[emb.weight]["exp_avg_sq"]
+
+    with pytest.raises(StpipeRuntimeError, match="exp_avg_sq"):
+        _adam_run(depth, 3, drop)
