@@ -49,7 +49,7 @@ import warnings
 import numpy as np
 import torch
 
-from stpipe._bench import _cprofile_tables, _speedtorch_step_fix
+from stpipe._bench import _cprofile_tables, _round_orders, _speedtorch_step_fix
 
 
 def _sync() -> None:
@@ -339,13 +339,6 @@ def main(argv=None) -> int:
             f.write(_markdown(result))
     print(_markdown(result))
     return 0
-
-
-def _round_orders(names: list, rounds: int) -> list:
-    """The order of the training rows in each round: as given, then reversed, and so
-    on, so that no implementation always runs first (the first row after the
-    ``DataGadget`` rows, or after another implementation's tables were freed)."""
-    return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(rounds)]
 
 
 def _best_round(runs: list) -> dict:

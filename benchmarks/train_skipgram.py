@@ -70,6 +70,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -80,7 +81,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stpipe._bench import _cprofile_tables, _speedtorch_step_fix
+from stpipe._bench import _cprofile_tables, _round_orders, _speedtorch_step_fix
 
 BATCH, POS, NEG, DIM, LR = 512, 4, 64, 128, 1e-3
 
@@ -486,13 +487,6 @@ def _run_isolated(args, methods: List[str], log) -> Dict[str, Any]:
     return results
 
 
-def _median(xs: List[float]) -> float:
-    """The median (the mean of the middle two for an even count)."""
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
-
-
 def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
     """``--rounds``: one row per method from its rows of every round.
 
@@ -519,7 +513,7 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
         for key, v in rows[0].items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-                row[key] = _median(vals)
+                row[key] = statistics.median(vals)
         row["steps_per_s"] = 1e3 / row["ms_per_step"]  # consistent with the median time
         row["rounds"] = len(rows)
         row["rounds_ms_per_step"] = [r["ms_per_step"] for r in rows]
@@ -530,7 +524,7 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
                       if "steps_per_s" in res.get(name, {}) and res.get(base, {}).get("steps_per_s")]
             if ratios:
                 key = "ratio_to_ceiling" if label == "ceiling" else f"ratio_to_{base}"
-                row[key] = _median(ratios)
+                row[key] = statistics.median(ratios)
                 row[f"rounds_{key}"] = ratios
         out[name] = row
     return out
@@ -634,8 +628,7 @@ def main(argv=None) -> int:
         results = _run_isolated(args, methods, log)
     elif args.isolate:
         per_round = []
-        for r in range(args.rounds):
-            order = methods if r % 2 == 0 else methods[::-1]
+        for r, order in enumerate(_round_orders(methods, args.rounds)):
             log(f"== round {r + 1} of {args.rounds}: {','.join(order)}")
             per_round.append(_run_isolated(args, order, log))
         results = _combine_rounds(per_round)

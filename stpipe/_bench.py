@@ -115,6 +115,15 @@ def _speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
             st["step"] = torch.tensor(float(st["step"]))
 
 
+def _round_orders(names: List[str], rounds: int) -> List[List[str]]:
+    """The order of a benchmark's rows in each of ``rounds`` rounds: as given, then
+    reversed, and so on, so that no row always runs first: the first runs after whatever
+    came before it (another method's process, the ``DataGadget`` rows, freed tables).
+    Used by benchmarks/train_skipgram.py ``--rounds`` and benchmarks/compat_speedtorch.py's
+    training rows."""
+    return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(rounds)]
+
+
 def _cprofile_tables(prof: Any, keys: tuple = ("tottime", "cumtime"), limit: int = 60) -> str:
     """A ``cProfile.Profile``'s tables as text, one sorted by each of ``keys`` (the
     benchmarks' profiling options share it)."""

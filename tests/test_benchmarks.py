@@ -21,9 +21,21 @@ def _row(steps_per_s, **kw):
 
 
 def test_median(ts):
-    assert ts._median([3.0, 1.0, 2.0]) == 2.0
-    assert ts._median([4.0, 1.0]) == 2.5
-    assert ts._median([7.0]) == 7.0
+    """Rows are medians over their rounds: the middle one, or the mean of the middle two."""
+    def ms(*per_round):
+        rounds = [{"stpipe_depth1": _row(1e3 / m)} for m in per_round]
+        return ts._combine_rounds(rounds)["stpipe_depth1"]["ms_per_step"]
+
+    assert ms(3.0, 1.0, 2.0) == pytest.approx(2.0)
+    assert ms(4.0, 1.0) == pytest.approx(2.5)
+    assert ms(7.0) == pytest.approx(7.0)
+
+
+def test_round_orders():
+    from stpipe._bench import _round_orders
+
+    assert _round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert _round_orders(["a"], 1) == [["a"]]
 
 
 def test_combine_rounds_ratios_are_medians_of_same_round_ratios(ts):
