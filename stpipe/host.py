@@ -1038,9 +1038,8 @@ _LAUNCHES_MAX = 64
 def _prepare_move_cached(op: str, tables: "List[HostTable]", planes: torch.Tensor) -> Optional[_PreparedMove]:
     """:func:`_prepare_move`, its launch arguments reused for the same tables and the same
     plane geometry (address, strides, plane count, row width, dtype; any row count):
-    callers that allocate their planes
-    per call, like the SpeedTorch compat layer, then skip ``prepare_many``'s work (about
-    20 us per call on the H200 host). The cache holds the tables weakly (a dropped table
+    callers that allocate their planes per call, like the SpeedTorch compat layer, then
+    skip ``prepare_many``'s work (about 20 us per call on the H200 host). The cache holds the tables weakly (a dropped table
     is freed) and checks their identity, so a new table at a reused id is prepared anew."""
     # not the row count: a prepared move takes any count up to the caller's capacity
     key = (op, planes.data_ptr(), planes.shape[0], planes.shape[2], tuple(planes.stride()), planes.dtype,

@@ -1024,7 +1024,7 @@ class _TableSwitch:
         return torch.device("cpu")
 
     def _fresh(self) -> Union[_TensorStore, _HostStore]:
-        self._pending = None  # the table it was for is replaced
+        self._drop_pending()  # the table it was for is replaced
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -1044,11 +1044,17 @@ class _TableSwitch:
             self._write_pending()
         return self._store
 
+    def _drop_pending(self) -> Optional[Tuple["_Layout", "_Stash"]]:
+        """Forget the deferred write-back (returned, or ``None``) and unlink it from its
+        stash, so ``stash.weight_from is self`` exactly while it is pending."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].weight_from = None
+        return pending
+
     def _write_pending(self) -> None:
         """Write the deferred weight rows now, as the model switcher's own write-back."""
-        lay, stash = self._pending
-        self._pending = None
-        stash.weight_from = None
+        lay, stash = self._drop_pending()
         lay.scatter(self._store, stash.planes[0])
 
     # -- initialisers (SpeedTorch names) --------------------------------------------
@@ -1083,7 +1089,7 @@ class _TableSwitch:
         store, _ = _load_store(loadFileName, self._where, self._rows_device(),
                                expect=(self.total_classes, self.embed_dimension),
                                dtype=self._dtype)
-        self._pending = None  # the table it was for is replaced
+        self._drop_pending()  # the table it was for is replaced
         if self._store is not None:
             self._store.close()
         self._store = store
@@ -1199,7 +1205,7 @@ class _ModelSwitch(_TableSwitch):
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
             self._hook = None
-        self._pending = None
+        self._drop_pending()
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -1531,19 +1537,16 @@ class _OptimizerSwitch:
         lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
         state = self.given_optimizer.state.get(p, {})
         stash = lay.stash
-        owner = stash.weight_from if stash is not None else None
-        if owner is not None and (owner._pending is None or owner._pending[1] is not stash):
-            owner = None  # written already
+        owner = stash.weight_from if stash is not None else None  # its write-back waits
         if stash is not None and stash.state_writable(state, tables):
             # the state rows installed from the model switcher's fused gather, stepped
             # in place: every state table in one launch, with the weight rows when the
             # model switcher left them for this launch
             if owner is not None:
-                owner._pending = None
+                owner._drop_pending()
                 lay.scatter_planes(stash.stores, stash.planes)
             else:
                 lay.scatter_planes(stash.stores[1:], stash.planes[1:])
-            stash.weight_from = None
             lay.stash = None
             return
         if owner is not None:
