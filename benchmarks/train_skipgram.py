@@ -32,10 +32,9 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed);
 * on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
-  interval, an experiment), ``stpipe_depth1_gate`` / ``stpipe_depth1_gate_backward`` /
-  ``stpipe_depth1_nogate`` (depth 1 with the experimental prefetch gate at the step's first
-  lookup, ``STPIPE_PREFETCH_GATE=1``, or at its backward, ``=backward``, or off, the
-  default: batches issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
+  interval, an experiment), ``stpipe_depth1_gate`` / ``stpipe_depth1_nogate`` (depth 1 with the
+  experimental prefetch gate on, ``STPIPE_PREFETCH_GATE=1``, or off, the default: batches
+  issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
   tables written to ``--trace DIR``, default ``OUT/trace``) and ``trace0`` (depth 0 under
   cProfile alone, so every stpipe call is in the profiled thread; ``DIR/depth0``) and
   ``trace_prefetch`` (depth 1 with the profiler started in the prefetch thread;
@@ -177,10 +176,6 @@ def timed(dev: torch.device, warmup: int, batches, step_fn: Callable[[Dict[str, 
 
 
 # --------------------------------------------------------------------------- methods
-#: the gate experiments' methods -> STPIPE_PREFETCH_GATE
-_GATES = {"stpipe_depth1_gate": "1", "stpipe_depth1_gate_backward": "backward", "stpipe_depth1_nogate": "0"}
-
-
 def run_ceiling(args, dev, batches):
     e_in = torch.nn.Embedding(args.rows, DIM, sparse=True, device=dev)
     e_out = torch.nn.Embedding(args.rows, DIM, sparse=True, device=dev)
@@ -669,13 +664,12 @@ def main(argv=None) -> int:
                     results[m] = st.run(args, dev, batches, 1)
                 finally:
                     sys.setswitchinterval(old_si)
-            elif m in _GATES:
+            elif m in ("stpipe_depth1_gate", "stpipe_depth1_nogate"):
                 # depth 1 with the experimental prefetch gate on (the prefetch thread waits
-                # for the step's first lookup, or its backward, before issuing) or
-                # explicitly off (the default)
+                # for the step's first lookup before issuing) or explicitly off (default)
                 if st is None:
                     st = _Stpipe(args, dev)
-                with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": _GATES[m]}):
+                with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": "1" if m.endswith("_gate") else "0"}):
                     results[m] = st.run(args, dev, batches, 1)
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)

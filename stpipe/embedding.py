@@ -57,8 +57,8 @@ class _Binding:
     parts: List[_Part]
     unique: np.ndarray  # (k,) int64 sorted, host
     _unique_dev: Optional[torch.Tensor] = field(default=None, repr=False)
-    #: called with each lookup's output (the pipeline's prefetch gate); ``None``: nothing to call
-    on_lookup: Optional[Callable[[torch.Tensor], None]] = field(default=None, repr=False)
+    #: called by the step's lookups (the pipeline's prefetch gate); ``None``: nothing to call
+    on_lookup: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     def unique_on(self, device: torch.device) -> torch.Tensor:
         if self._unique_dev is None:
@@ -311,16 +311,13 @@ class HostEmbedding(nn.Module):
         b = self._binding
         if b is None:
             return self.lookup(ids)
+        if b.on_lookup is not None:
+            b.on_lookup()
         for part in b.parts:
             if part.ids is ids or (part.alias is not None and part.alias is ids):
                 # F.embedding without its Python checks (no padding_idx, no max_norm)
-                out = torch.embedding(self.weight, part.inverse)
-                break
-        else:
-            out = F.embedding(self._locate(b, ids), self.weight)
-        if b.on_lookup is not None:
-            b.on_lookup(out)
-        return out
+                return torch.embedding(self.weight, part.inverse)
+        return F.embedding(self._locate(b, ids), self.weight)
 
     def _locate(self, b: _Binding, ids: Any) -> torch.Tensor:
         """Positions of ``ids`` among the step's unique rows (synchronises once)."""

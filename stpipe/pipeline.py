@@ -27,11 +27,8 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    *gate* until the training thread has begun step ``j - d`` (its first embedding lookup)
    or left it, so the GIL-bound part of issuing ``j`` runs while that step's backward runs
    (the training thread waits there without the GIL) instead of during the step's entry
-   and forward. ``STPIPE_PREFETCH_GATE=backward`` waits instead for the first gradient
-   reaching step ``j - d``'s first lookup that requires grad (one tensor hook per step),
-   so the issue runs inside that step's ``backward()`` wait. Ordering only: no result
-   depends on it. On the H200 the first-lookup gate helped at 2M rows in one process and
-   slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
+   and forward. Ordering only: no result depends on it. On the H200 it helped at 2M rows
+   in one process and slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -233,22 +230,15 @@ _END = object()
 
 
 class _Gate:
-    """When the prefetch thread may issue a batch: once the training thread has reached
-    the gate's point in step ``i`` or left it (:meth:`open`). Cheap for the training
-    thread once open: one comparison.
+    """When the prefetch thread may issue a batch: after the training thread began step
+    ``i`` (first lookup) or left it (:meth:`open`). Cheap for the training thread once
+    open: one comparison."""
 
-    ``mode`` (the point): ``"first"``, the step's first embedding lookup; ``"backward"``,
-    the first gradient that reaches the output of the step's first lookup that requires
-    grad (one tensor hook per step, run by autograd's thread while the training thread
-    waits in ``backward()`` without the GIL).
-    """
+    __slots__ = ("cond", "step")
 
-    __slots__ = ("cond", "step", "mode")
-
-    def __init__(self, mode: str = "first") -> None:
+    def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.step = -1  # the latest step begun or left
-        self.mode = mode
 
     def open(self, index: int) -> None:
         if self.step < index:
@@ -269,43 +259,10 @@ class _Gate:
         return True
 
 
-class _Opener:
-    """A step's ``on_lookup`` under the prefetch gate (shared by its tables): opens the
-    gate for step ``index`` at the gate's point (see :class:`_Gate`). Called by the
-    training thread with each lookup's output; the ``"backward"`` hook by autograd's
-    thread. At most one hook per step: a hook runs with the GIL, and a second one would
-    wait for the prefetch thread the first one woke."""
-
-    __slots__ = ("gate", "index", "hooked")
-
-    def __init__(self, gate: _Gate, index: int) -> None:
-        self.gate, self.index, self.hooked = gate, index, False
-
-    def __call__(self, out: torch.Tensor) -> None:
-        gate = self.gate
-        if self.hooked or gate.step >= self.index:
-            return
-        if gate.mode != "backward":
-            gate.open(self.index)
-        elif out.requires_grad:
-            self.hooked = True
-            out.register_hook(self._hook)
-
-    def _hook(self, grad: torch.Tensor) -> None:
-        self.gate.open(self.index)
-
-
-#: ``STPIPE_PREFETCH_GATE`` values -> gate mode (anything else: no gate)
-_GATE_MODES = {"1": "first", "true": "first", "yes": "first", "on": "first", "first": "first",
-               "backward": "backward"}
-
-
-def _gate_mode() -> Optional[str]:
-    """The experimental prefetch gate's mode from ``STPIPE_PREFETCH_GATE`` (read at each
-    run's start): ``1``/``first`` or ``backward`` (see :class:`_Gate`); ``None``, the
-    default, for no gate: in the 10M-row benchmark the ``first`` gate slowed depth 1 in
-    two runs of two."""
-    return _GATE_MODES.get(os.environ.get("STPIPE_PREFETCH_GATE", "0").strip().lower())
+def _gate_enabled() -> bool:
+    """``STPIPE_PREFETCH_GATE=1`` (read at each run's start): the experimental prefetch
+    gate is on. Off by default: it slowed the 10M-row benchmark in two runs of two."""
+    return os.environ.get("STPIPE_PREFETCH_GATE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class _Run:
@@ -320,8 +277,7 @@ class _Run:
         self.thread: Optional[threading.Thread] = None
         self.where = "starting"
         self.closed = False
-        mode = _gate_mode() if depth >= 1 else None
-        self.gate: Optional[_Gate] = None if mode is None else _Gate(mode)
+        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
 
     def take_slot(self) -> Optional[int]:
         while not self.stop.is_set():
@@ -1169,7 +1125,7 @@ class Pipeline:
         only installs them. The views stay valid until the step ends: only this flight
         re-makes its slot (:meth:`_Slots.ensure`), and then makes the views again.
         """
-        opened = None if gate is None else _Opener(gate, flight.index)
+        opened = None if gate is None else (lambda: gate.open(flight.index))
         for name, tf in flight.tables.items():
             tf.views = self._slots[name].views(flight.slot, tf.k, tf.keys)
             tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)

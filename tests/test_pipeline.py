@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -609,12 +610,11 @@ def test_slot_moves_are_cached_per_stack_and_table_set(monkeypatch):
 
 
 # ------------------------------------------------------------------- prefetch gate
-def _gate_events(depth, monkeypatch, gate_on=True, lookups=True, mode="1"):
-    """Train with a pause before each step's lookup and one before its backward; return
-    the order of events: the test's ('lookup', i) just before step i's first lookup,
-    ('backward', i) just before its backward, and the prefetch thread's ('issue', j)
-    when it begins issuing batch j."""
-    monkeypatch.setenv("STPIPE_PREFETCH_GATE", mode if gate_on else "0")
+def _gate_events(depth, monkeypatch, gate_on=True, lookups=True):
+    """Train with a pause before each step's lookup; return the order of events: the
+    test's ('lookup', i) just before step i's first lookup and the prefetch thread's
+    ('issue', j) when it begins issuing batch j."""
+    monkeypatch.setenv("STPIPE_PREFETCH_GATE", "1" if gate_on else "0")
     events = []
     orig = Pipeline._issue
 
@@ -633,19 +633,17 @@ def _gate_events(depth, monkeypatch, gate_on=True, lookups=True, mode="1"):
                 if lookups:
                     events.append(("lookup", step.index))
                     loss = loss_fn(emb(step.ids), step.batch["target"])
-                    time.sleep(0.02)  # the first-lookup gate is open here, not the backward one
-                    events.append(("backward", step.index))
                     loss.backward()
                     opt.step()
                     opt.zero_grad()
     return events, pipe
 
 
-def _issued_before(events, depth, kind="lookup"):
-    """Batches j issued before step j - depth reached ``kind`` (its lookup or backward)."""
+def _issued_before_lookup(events, depth):
+    """Batches j issued before step j - depth began (its lookup event)."""
     pos = {e: i for i, e in enumerate(events)}
-    return [j for k, j in events if k == "issue" and j - depth >= 0
-            and pos[("issue", j)] < pos[(kind, j - depth)]]
+    return [j for kind, j in events if kind == "issue" and j - depth >= 0
+            and pos[("issue", j)] < pos[("lookup", j - depth)]]
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -653,55 +651,19 @@ def test_prefetch_gate_issues_after_the_step_begins(depth, monkeypatch):
     events, pipe = _gate_events(depth, monkeypatch)
     assert pipe.stats["steps"] == 8
     assert [j for kind, j in events if kind == "issue"] == list(range(8))
-    assert _issued_before(events, depth) == []
-    # the control for the backward gate: the first-lookup gate lets issues in before it
-    assert _issued_before(events, depth, "backward") != []
-
-
-@pytest.mark.parametrize("depth", [1, 2])
-def test_prefetch_gate_backward_issues_after_the_backward_begins(depth, monkeypatch):
-    events, pipe = _gate_events(depth, monkeypatch, mode="backward")
-    assert pipe.stats["steps"] == 8
-    assert [j for kind, j in events if kind == "issue"] == list(range(8))
-    assert _issued_before(events, depth, "backward") == []
-
-
-def test_prefetch_gate_backward_hooks_one_lookup_per_step(monkeypatch):
-    # one tensor hook per step, on the first lookup that requires grad
-    monkeypatch.setenv("STPIPE_PREFETCH_GATE", "backward")
-    hooks = []
-    orig = torch.Tensor.register_hook
-
-    def register_hook(self, fn):
-        hooks.append(fn)
-        return orig(self, fn)
-
-    monkeypatch.setattr(torch.Tensor, "register_hook", register_hook)
-    emb = make_emb()
-    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=1) as pipe:
-        for step in pipe.run(make_batches("zipf", steps=4)):
-            with step:
-                with torch.no_grad():
-                    emb(step.ids)  # no grad: no hook
-                loss = sum(loss_fn(emb(step.ids), step.batch["target"]) for _ in range(3))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-    assert len(hooks) == 4 and pipe.stats["steps"] == 4
+    assert _issued_before_lookup(events, depth) == []
 
 
 def test_prefetch_gate_off_issues_during_the_step_entry(monkeypatch):
     # the control: without the gate the prefetch thread issues during the pause
     events, _ = _gate_events(1, monkeypatch, gate_on=False)
-    assert _issued_before(events, 1) != []
+    assert _issued_before_lookup(events, 1) != []
 
 
-@pytest.mark.parametrize("mode", ["1", "backward"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_prefetch_gate_opens_without_lookups(depth, mode, monkeypatch):
+def test_prefetch_gate_opens_without_lookups(depth, monkeypatch):
     # steps that never call the embedding, and steps never entered, do not stall the run
-    events, pipe = _gate_events(depth, monkeypatch, lookups=False, mode=mode)
+    events, pipe = _gate_events(depth, monkeypatch, lookups=False)
     assert pipe.stats["steps"] == 8
     emb = make_emb()
     with Pipeline(emb, ids=lambda b: b["ids"], depth=depth) as pipe:
