@@ -79,3 +79,72 @@ def test_rounds_needs_isolate(ts):
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         ts.main(["--quick", "--isolate", "--rounds", "0"])
+
+
+_CS_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compat_speedtorch.py")
+
+
+@pytest.fixture(scope="module")
+def cs():
+    spec = importlib.util.spec_from_file_location("_compat_speedtorch_under_test", _CS_PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gadget_rows_run_in_rounds(cs, monkeypatch):
+    """compat_speedtorch.py's DataGadget rows: every configuration once per round, the
+    order reversed in the next round, each row its fastest round with every round kept,
+    and the CuPy-id rows compared with SpeedTorch's."""
+    import sys
+    import types
+
+    import torch
+
+    events = []
+    speed = {}  # (impl, CPUPinn, round) -> seconds per call
+
+    def module(name):
+        class DataGadget:
+            def __init__(self, path, CPUPinn=False):
+                self.key = (name, CPUPinn)
+                events.append(self.key)
+                self.round = (len(events) - 1) // 6  # six configurations per round
+
+            def gadgetInit(self):
+                pass
+
+            def getData(self, ids):
+                now[0] += speed[self.key + (self.round,)]
+
+            insertData = lambda self, rows, ids: self.getData(ids)  # noqa: E731
+
+        return types.SimpleNamespace(DataGadget=DataGadget)
+
+    now = [0.0]  # a fake clock: each call advances it by its configured time
+    monkeypatch.setattr(cs.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cs.torch, "randn", lambda *a, **k: torch.zeros(a))
+    monkeypatch.setattr(cs, "_free", lambda: None)
+    monkeypatch.setattr(cs, "_sync", lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(asarray=lambda x: x))
+    monkeypatch.setattr(cs.importlib.util, "find_spec", lambda name: object())
+    impls = {"stpipe": module("stpipe"), "SpeedTorch": module("SpeedTorch")}
+    for impl in ("stpipe", "SpeedTorch"):
+        for pin in (True, False):
+            speed[(impl, pin, 0)] = 0.002
+            speed[(impl, pin, 1)] = 0.001 if impl == "stpipe" else 0.004
+    gb = 8 * 4 * 4 / 1e9
+    out = cs.bench_gadget(impls, "unused.npy", rows=100, dim=4, batch=8, repeats=3, rounds=2)
+    names = [(g["impl"], g["CPUPinn"]) for g in out]
+    assert names == [("stpipe", True), ("stpipe", False), ("stpipe (CuPy ids)", True),
+                     ("stpipe (CuPy ids)", False), ("SpeedTorch", True), ("SpeedTorch", False)]
+    first, second = events[:6], events[6:]
+    assert len(events) == 12 and second == first[::-1]
+    st = next(g for g in out if g["impl"] == "SpeedTorch" and g["CPUPinn"])
+    ours = next(g for g in out if g["impl"] == "stpipe (CuPy ids)" and g["CPUPinn"])
+    assert st["getData_rounds"] == pytest.approx([gb / 0.002, gb / 0.004])
+    assert st["getData_GBps"] == pytest.approx(gb / 0.002)  # its fastest round
+    assert ours["insertData_GBps"] == pytest.approx(gb / 0.001)
+    md = cs._markdown({"info": {"date": "d", "gpu": "g", "cpus": 2, "torch": "t", "cupy": "c", "rows": 100,
+                                "dim": 4, "command": "x", "batch": 8}, "gadget": out, "train": []})
+    assert "(2.00x)" in md and md.count("x) [") == 4  # only the CuPy-id rows get a ratio
