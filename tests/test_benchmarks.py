@@ -1,18 +1,24 @@
-"""The benchmark scripts' own logic (CPU): how train_skipgram.py combines rounds."""
+"""The benchmark scripts' own logic (CPU): how train_skipgram.py combines rounds and how
+compat_speedtorch.py runs its DataGadget rows in rounds."""
 import importlib.util
 import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "train_skipgram.py")
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+def _load(script):
+    """A benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_{script}_under_test", os.path.join(_BENCH, f"{script}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
 def ts():
-    spec = importlib.util.spec_from_file_location("_train_skipgram_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("train_skipgram")
 
 
 def _row(steps_per_s, **kw):
@@ -81,15 +87,9 @@ def test_rounds_needs_isolate(ts):
         ts.main(["--quick", "--isolate", "--rounds", "0"])
 
 
-_CS_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compat_speedtorch.py")
-
-
 @pytest.fixture(scope="module")
 def cs():
-    spec = importlib.util.spec_from_file_location("_compat_speedtorch_under_test", _CS_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("compat_speedtorch")
 
 
 def test_gadget_rows_run_in_rounds(cs, monkeypatch):
