@@ -645,8 +645,13 @@ def test_api_surface_and_defaults():
     assert (p["dtype"], p["deviceType"], p["pinType"]) == ("float32", "cuda", False)
     assert list(sig(SpeedTorch.DataGadget)) == ["fileName", "CPUPinn"]
     for name in ("GPUPytorchModelFactory", "GPUPytorchOptimizerFactory",
-                 "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory"):
+                 "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory",
+                 "ModelFactoryMM", "OptimizerFactoryMM", "DataGadgetMM"):
         assert name in SpeedTorch.__all__
+    assert list(sig(SpeedTorch.ModelFactoryMM))[:6] == ["model_variable", "total_classes", "embed_dimension",
+                                                       "diskname", "datatype", "CPUPinn"]
+    assert sig(SpeedTorch.ModelFactoryMM)["diskname"] == "variable"
+    assert list(sig(SpeedTorch.DataGadgetMM)) == ["fileName", "CPUPinn"]
     for meth in ("zerosInit", "uniformDistributionInit", "normalDistributionInit",
                  "variableTransformer", "beforeForwardPass", "afterOptimizerStep",
                  "saveCupy", "loadCupy", "getNumpyVersion"):
@@ -670,6 +675,71 @@ def test_aliases_place_tables_like_speedtorch():
     co.optInit()
     go.optInit()
     assert co.optVarList == go.optVarList == ["exp_avg", "exp_avg_sq"]
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_memory_mapped_variants_train_like_the_plain_classes(tmp_path, cpupinn):
+    """ModelFactoryMM / OptimizerFactoryMM (SpeedTorch's signatures, ``diskname`` too)
+    train exactly as ModelFactory / OptimizerFactory, and write no file."""
+    out = []
+    for mm in (False, True):
+        torch.manual_seed(0)
+        model = SkipGram(4, 4 * 3, 5)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        if mm:
+            sw = SpeedTorch.ModelFactoryMM(model.v_embeddings, 40, 5, diskname=str(tmp_path / "v"),
+                                           CPUPinn=cpupinn)
+            assert sw.diskname == str(tmp_path / "v")
+            osw = SpeedTorch.OptimizerFactoryMM(opt, 40, 5, model, "v_embeddings", CPUPinn=cpupinn)
+        else:
+            sw = SpeedTorch.ModelFactory(model.v_embeddings, 40, 5, CPUPinn=cpupinn)
+            osw = SpeedTorch.OptimizerFactory(opt, 40, 5, model, "v_embeddings", CPUPinn=cpupinn)
+        sw.uniformDistributionInit(-0.1, 0.1)
+        osw.optInit()
+        pos_d, neg_d = (torch.as_tensor(a) for a in sw.variableTransformer(4, 1, 2))
+        u_d = torch.arange(4).reshape(4, 1)
+        rng = np.random.default_rng(1)
+        for _ in range(3):
+            pos = rng.integers(0, 40, (4, 1))
+            neg = rng.integers(0, 40, (4, 2))
+            sw.beforeForwardPass(pos, neg)
+            osw.beforeForwardPass(pos, neg)
+            loss = model(u_d, pos_d.reshape(4, 1), neg_d)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sw.afterOptimizerStep(pos, neg)
+            osw.afterOptimizerStep(pos, neg)
+        out.append((sw.getNumpyVersion(), osw.getNumpyVersion()))
+    (w0, s0), (w1, s1) = out
+    np.testing.assert_array_equal(w0, w1)
+    assert s0.keys() == s1.keys()
+    for key in s0:
+        np.testing.assert_array_equal(s0[key], s1[key])
+    assert not any(tmp_path.iterdir())  # no memmap file
+
+
+def test_datagadget_mm_takes_the_switchers_pair_of_ids(tmp_path):
+    data = np.arange(30, dtype=np.float32).reshape(10, 3)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadgetMM(str(tmp_path / "d.npy"))
+    g.gadgetInit()
+    pos, neg = np.array([[1], [4]]), np.array([[2, 2], [9, 0]])
+    got = g.getData(pos, neg).cpu().numpy()
+    np.testing.assert_array_equal(got, data[[1, 4, 2, 2, 9, 0]])
+    np.testing.assert_array_equal(g.getData(pos).cpu().numpy(), data[[1, 4]])
+    with pytest.raises(IndexError):
+        g.getData(pos, np.array([10]))
+
+
+@pytest.mark.parametrize("name,hint", [("COM", "torch.zeros"), ("PytorchCOM", "torch.zeros"),
+                                       ("my_pinned_allocator", "CPUPinn=True"), ("PMemoryMM", "CPUPinn=True")])
+def test_names_not_carried_over_say_what_to_use(name, hint):
+    with pytest.raises(AttributeError, match=hint):
+        getattr(SpeedTorch, name)
+    assert not hasattr(SpeedTorch, name)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'$"):
+        SpeedTorch.NoSuchName  # noqa: B018
 
 
 @pytest.mark.skipif(SpeedTorch._cupy_installed(), reason="CuPy is installed here")

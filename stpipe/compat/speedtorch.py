@@ -6,8 +6,10 @@ Code written for SpeedTorch switches with one line::
 
 and keeps its class names, constructor arguments, defaults and method names:
 :class:`ModelFactory`, :class:`OptimizerFactory`, :class:`PytorchModelFactory`,
-:class:`PytorchOptimizerFactory`, :class:`DataGadget` and the older aliases
-(``GPUPytorch*``, ``CPUPytorch*``).
+:class:`PytorchOptimizerFactory`, :class:`DataGadget`, the older aliases
+(``GPUPytorch*``, ``CPUPytorch*``) and the memory-mapped variants (``ModelFactoryMM``,
+``OptimizerFactoryMM``, ``DataGadgetMM``: the same classes, no file on disk). SpeedTorch's
+``COM`` helpers and pinned allocators are not carried over (a clear ``AttributeError``).
 
 Where tables live:
 
@@ -68,8 +70,9 @@ Differences from SpeedTorch (its defects, fixed):
   weights_only=True)``); ``getNumpyVersion`` always returns a numpy copy (SpeedTorch's
   ``CPUPytorch*`` classes returned the tensor); files are written atomically.
 
-Not provided: the memory-mapped variants (``ModelFactoryMM``, ``OptimizerFactoryMM``,
-``DataGadgetMM``) and the ``COM`` co-occurrence helpers.
+Not provided: the ``COM`` co-occurrence helpers and SpeedTorch's pinned allocators
+(``PMemory``, ``my_pinned_allocator`` and their ``MM`` twins); asking for them raises an
+``AttributeError`` that says what to use instead.
 """
 from __future__ import annotations
 
@@ -106,6 +109,9 @@ __all__ = [
     "GPUPytorchOptimizerFactory",
     "CPUPytorchModelFactory",
     "CPUPytorchOptimizerFactory",
+    "ModelFactoryMM",
+    "OptimizerFactoryMM",
+    "DataGadgetMM",
     "CupyFallbackWarning",
     "SUPPORTED_OPTIMIZERS",
 ]
@@ -1237,7 +1243,7 @@ class ModelFactory(_ModelSwitch):
         self._attach(model_variable, dedup)
         w = _weight_of(model_variable)
         self._where = _placement(on_gpu=not CPUPinn, pin=bool(CPUPinn), cupy_named=True,
-                                 what="ModelFactory",
+                                 what=type(self).__name__,
                                  gpu_device=w.device if w.device.type == "cuda" else None)
 
     def saveCupy(self, saveFileName: PathLike) -> None:
@@ -1599,7 +1605,7 @@ class OptimizerFactory(_OptimizerSwitch):
         self.CPUPinn = CPUPinn
         dev = self._param.device
         self._where = _placement(on_gpu=not CPUPinn, pin=bool(CPUPinn), cupy_named=True,
-                                 what="OptimizerFactory",
+                                 what=type(self).__name__,
                                  gpu_device=dev if dev.type == "cuda" else None)
 
 
@@ -1750,7 +1756,7 @@ class DataGadget:
         self.fileName = fileName
         self.CPUPinn = CPUPinn
         self._where = _placement(on_gpu=not CPUPinn, pin=bool(CPUPinn), cupy_named=True,
-                                 what="DataGadget")
+                                 what=type(self).__name__)
         self._store: Optional[Union[_TensorStore, _HostStore]] = None
         self._shape: Tuple[int, ...] = ()
 
@@ -1896,3 +1902,67 @@ class DataGadget:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+# ---------------------------------------------------------------------------------------
+# the memory-mapped variants
+# ---------------------------------------------------------------------------------------
+class ModelFactoryMM(ModelFactory):
+    """SpeedTorch's memory-mapped :class:`ModelFactory`: the same switcher with one more
+    argument, ``diskname``. SpeedTorch made the table through a ``.npy`` memmap named
+    after it and then held it with CuPy (in GPU memory, or in pinned host memory with
+    ``CPUPinn=True``); here the table is made directly, as :class:`ModelFactory` makes it,
+    and no file is written. ``diskname`` is kept as :attr:`diskname`.
+    """
+
+    def __init__(self, model_variable: Any, total_classes: int, embed_dimension: int,
+                 diskname: str = "variable", datatype: Any = "float32", CPUPinn: bool = False,
+                 *, dedup: bool = True) -> None:
+        super().__init__(model_variable, total_classes, embed_dimension, datatype, CPUPinn, dedup=dedup)
+        self.diskname = diskname
+
+
+class OptimizerFactoryMM(OptimizerFactory):
+    """SpeedTorch's memory-mapped :class:`OptimizerFactory` (same arguments): here it is
+    :class:`OptimizerFactory`, its state tables made directly (no file). SpeedTorch
+    0.1.6's own fails on PyTorch 2.x as its ``OptimizerFactory`` does (int ``step``)."""
+
+
+class DataGadgetMM(DataGadget):
+    """SpeedTorch's memory-mapped :class:`DataGadget` (same arguments; SpeedTorch 0.1.6's
+    own raised at construction). Its :meth:`getData` takes the switchers' pair of ids;
+    :meth:`insertData` and the files work as in :class:`DataGadget`."""
+
+    def getData(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> torch.Tensor:  # type: ignore[override]
+        """Rows of ``retrievedPosIndexes`` flattened, then ``retrievedNegIndexes``
+        flattened (when given), as ``(n, *row_shape)``; see :meth:`DataGadget.getData`."""
+        store = self._require()
+        if retrievedNegIndexes is None:
+            flat = as_index_array(retrievedPosIndexes).reshape(-1)
+        else:
+            flat = _flat_ids(retrievedPosIndexes, retrievedNegIndexes, store.num_rows)
+        return super().getData(flat)
+
+
+# ---------------------------------------------------------------------------------------
+# SpeedTorch names not carried over
+# ---------------------------------------------------------------------------------------
+_COM = ("SpeedTorch's {name} (an uninitialised co-occurrence matrix helper) is not carried "
+        "over; make the matrix with torch.zeros(...) on the device you need")
+_ALLOC = ("SpeedTorch's {name} swapped CuPy's allocator globally to pin a table (not "
+          "thread-safe; twice the table's size in host RAM); stpipe does not: CPUPinn=True "
+          "page-locks a table in place at its exact size")
+#: SpeedTorch 0.1.6 exports that this module does not offer -> why, and what to use
+_NOT_CARRIED: Dict[str, str] = {
+    **{n: _COM.format(name=n) for n in ("COM", "COMMM", "PytorchCOM", "GPUPytorchCOM", "CPUPytorchCOM")},
+    **{n: _ALLOC.format(name=n) for n in ("PMemory", "PMemoryMM", "my_pinned_allocator",
+                                           "my_pinned_allocatorMM")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A clear error for SpeedTorch names this module does not carry over."""
+    why = _NOT_CARRIED.get(name)
+    if why is not None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {why}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
