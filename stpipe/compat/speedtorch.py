@@ -1937,8 +1937,9 @@ class DataGadgetMM(DataGadget):
         """Rows of ``retrievedPosIndexes`` flattened, then ``retrievedNegIndexes``
         flattened (when given), as ``(n, *row_shape)``; see :meth:`DataGadget.getData`."""
         store = self._require()
-        if retrievedNegIndexes is None:
-            flat = as_index_array(retrievedPosIndexes).reshape(-1)
+        if retrievedNegIndexes is None:  # any kind DataGadget takes (GPU ids stay there)
+            flat = (retrievedPosIndexes.reshape(-1) if hasattr(retrievedPosIndexes, "reshape")
+                    else as_index_array(retrievedPosIndexes).reshape(-1))
         else:
             flat = _flat_ids(retrievedPosIndexes, retrievedNegIndexes, store.num_rows)
         return super().getData(flat)
@@ -1947,8 +1948,9 @@ class DataGadgetMM(DataGadget):
 # ---------------------------------------------------------------------------------------
 # SpeedTorch names not carried over
 # ---------------------------------------------------------------------------------------
-_COM = ("SpeedTorch's {name} (an uninitialised co-occurrence matrix helper) is not carried "
-        "over; make the matrix with torch.zeros(...) on the device you need")
+_COM = ("SpeedTorch's {name} (a helper holding a total_classes x total_classes matrix of "
+        "zeros, for co-occurrence counts) is not carried over; make the matrix with "
+        "torch.zeros(...) on the device you need")
 _ALLOC = ("SpeedTorch's {name} swapped CuPy's allocator globally to pin a table (not "
           "thread-safe; twice the table's size in host RAM); stpipe does not: CPUPinn=True "
           "page-locks a table in place at its exact size")
