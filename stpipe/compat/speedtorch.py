@@ -1030,10 +1030,7 @@ class _TableSwitch:
         return torch.device("cpu")
 
     def _fresh(self) -> Union[_TensorStore, _HostStore]:
-        self._drop_pending()  # the table it was for is replaced
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._close_store()
         self._store = _new_store(self.total_classes, self.embed_dimension, self._dtype,
                                  self._where, self._rows_device())
         return self._store
@@ -1049,6 +1046,14 @@ class _TableSwitch:
         if self._pending is not None:
             self._write_pending()
         return self._store
+
+    def _close_store(self) -> None:
+        """Free the table, forgetting a write-back deferred for it (the table is being
+        replaced or closed)."""
+        self._drop_pending()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def _drop_pending(self) -> Optional[Tuple["_Layout", "_Stash"]]:
         """Forget the deferred write-back (returned, or ``None``) and unlink it from its
@@ -1095,9 +1100,7 @@ class _TableSwitch:
         store, _ = _load_store(loadFileName, self._where, self._rows_device(),
                                expect=(self.total_classes, self.embed_dimension),
                                dtype=self._dtype)
-        self._drop_pending()  # the table it was for is replaced
-        if self._store is not None:
-            self._store.close()
+        self._close_store()
         self._store = store
 
 
@@ -1211,10 +1214,7 @@ class _ModelSwitch(_TableSwitch):
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
             self._hook = None
-        self._drop_pending()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._close_store()
 
 
 class ModelFactory(_ModelSwitch):
@@ -1936,12 +1936,9 @@ class DataGadgetMM(DataGadget):
     def getData(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> torch.Tensor:  # type: ignore[override]
         """Rows of ``retrievedPosIndexes`` flattened, then ``retrievedNegIndexes``
         flattened (when given), as ``(n, *row_shape)``; see :meth:`DataGadget.getData`."""
-        store = self._require()
-        if retrievedNegIndexes is None:  # any kind DataGadget takes (GPU ids stay there)
-            flat = (retrievedPosIndexes.reshape(-1) if hasattr(retrievedPosIndexes, "reshape")
-                    else as_index_array(retrievedPosIndexes).reshape(-1))
-        else:
-            flat = _flat_ids(retrievedPosIndexes, retrievedNegIndexes, store.num_rows)
+        if retrievedNegIndexes is None:  # any ids DataGadget takes (GPU ids stay there)
+            return super().getData(retrievedPosIndexes).reshape((-1,) + self._shape[1:])
+        flat = _flat_ids(retrievedPosIndexes, retrievedNegIndexes, self._require().num_rows)
         return super().getData(flat)
 
 
