@@ -144,6 +144,7 @@ def test_gadget_rows_run_in_rounds(cs, monkeypatch):
     ours = next(g for g in out if g["impl"] == "stpipe (CuPy ids)" and g["CPUPinn"])
     assert st["getData_rounds"] == pytest.approx([gb / 0.002, gb / 0.004])
     assert st["getData_GBps"] == pytest.approx(gb / 0.002)  # its fastest round
+    assert st["getData_ms"] == pytest.approx(2.0) and ours["insertData_ms"] == pytest.approx(1.0)
     assert ours["insertData_GBps"] == pytest.approx(gb / 0.001)
     md = cs._markdown({"info": {"date": "d", "gpu": "g", "cpus": 2, "torch": "t", "cupy": "c", "rows": 100,
                                 "dim": 4, "command": "x", "batch": 8}, "gadget": out, "train": []})
