@@ -31,7 +31,9 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   rows of each step's size (no tables, no transfers): the lower bound of the design;
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed);
-* on request (``--methods``): ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
+* on request (``--methods``): ``stpipe_depth1_ids_only`` (depth 1 with
+  ``pipe.run(batches, to_device=False)``: the batch holds only ids, so the prefetch thread
+  moves the planned ids and not the batch's own tensors), ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
   interval, an experiment), ``stpipe_depth1_gate`` / ``stpipe_depth1_nogate`` (depth 1 with the
   experimental prefetch gate on, ``STPIPE_PREFETCH_GATE=1``, or off, the default: batches
   issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
@@ -372,11 +374,12 @@ class _Stpipe:
         self.setup_s = time.perf_counter() - t0
 
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
-            trace_prefetch=None):
+            trace_prefetch=None, to_device=True):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there. ``trace_prefetch``: a
         directory; run the prefetch thread under cProfile (all its steps, warm-up
-        included) and write its tables there."""
+        included) and write its tables there. ``to_device``: passed to
+        ``Pipeline.run`` (False: only the planned ids move, not the batch's tensors)."""
         e_in, e_out, opt = self.e_in, self.e_out, self.opt
         tracer = None
         pipe = self.Pipeline(
@@ -387,7 +390,7 @@ class _Stpipe:
             pipe._producer = _profiled(pipe._producer, trace_prefetch)
         losses, t0 = [], None
         with pipe:
-            for step in pipe.run(batches):
+            for step in pipe.run(batches, to_device=to_device):
                 if step.index == args.warmup:
                     sync(dev)
                     t0 = time.perf_counter()
@@ -679,6 +682,12 @@ def main(argv=None) -> int:
                 results[m] = stf.run(args, dev, batches, 1)
                 del stf
                 gc.collect()
+            elif m == "stpipe_depth1_ids_only":
+                # depth 1 with run(..., to_device=False): the batch here is nothing but
+                # ids, so its tensors need not travel ahead (less prefetch-thread work)
+                if st is None:
+                    st = _Stpipe(args, dev)
+                results[m] = st.run(args, dev, batches, 1, to_device=False)
             elif m == "trace0":
                 # depth 0 under cProfile alone: every stpipe call in the training thread
                 if st is None:
