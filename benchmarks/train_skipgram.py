@@ -33,7 +33,8 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   profile synchronises at each phase, so it is a breakdown, not a speed);
 * on request (``--methods``): ``stpipe_depth1_ids_only`` (depth 1 with
   ``pipe.run(batches, to_device=False)``: the batch holds only ids, so the prefetch thread
-  moves the planned ids and not the batch's own tensors), ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
+  moves the planned ids and not the batch's own tensors; slower than the default in the
+  H200 run of RESULTS.md), ``stpipe_depth1_switch`` (depth 1 with a 0.2 ms GIL switch
   interval, an experiment), ``stpipe_depth1_gate`` / ``stpipe_depth1_nogate`` (depth 1 with the
   experimental prefetch gate on, ``STPIPE_PREFETCH_GATE=1``, or off, the default: batches
   issued as soon as a slot is free) and ``trace`` (depth 1 under ``torch.profiler`` and cProfile;
