@@ -629,8 +629,9 @@ def _load_store(path: PathLike, where: _Placement, device: torch.device,
 # ---------------------------------------------------------------------------------------
 # ids → the rows a step moves
 # ---------------------------------------------------------------------------------------
-def _flat_ids(pos: Any, neg: Any, num_rows: int) -> np.ndarray:
-    """SpeedTorch's reshaped retrieval: ``concat(pos.ravel(), neg.ravel())``, checked."""
+def _flat_ids(pos: Any, neg: Any) -> np.ndarray:
+    """SpeedTorch's reshaped retrieval: ``concat(pos.ravel(), neg.ravel())``; integer ids
+    only (:func:`stpipe.planner.as_index_array`; the range is checked by the caller)."""
     a = as_index_array(pos).reshape(-1)
     if neg is None:
         return a
@@ -946,7 +947,7 @@ def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int) -> _Layo
     last = _layouts.get(param)
     if last is not None and last.matches(pos, neg, num_rows, dedup):
         return last
-    flat = _flat_ids(pos, neg, num_rows)
+    flat = _flat_ids(pos, neg)
     try:
         lay = _Layout(flat, num_rows, dedup, copy=neg is None)  # two parts: concatenated anew
     except StpipeIndexError:
@@ -1938,8 +1939,8 @@ class DataGadgetMM(DataGadget):
         flattened (when given), as ``(n, *row_shape)``; see :meth:`DataGadget.getData`."""
         if retrievedNegIndexes is None:  # any ids DataGadget takes (GPU ids stay there)
             return super().getData(retrievedPosIndexes).reshape((-1,) + self._shape[1:])
-        flat = _flat_ids(retrievedPosIndexes, retrievedNegIndexes, self._require().num_rows)
-        return super().getData(flat)
+        self._require()  # no table: that error first, as in DataGadget.getData
+        return super().getData(_flat_ids(retrievedPosIndexes, retrievedNegIndexes))
 
 
 # ---------------------------------------------------------------------------------------
