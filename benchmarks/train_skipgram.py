@@ -31,10 +31,6 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   rows of each step's size (no tables, no transfers): the lower bound of the design;
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed);
-* ``stpipe_depth1_train_issue`` / ``stpipe_depth2_train_issue`` (on request): depth 1 / 2
-  with ``Pipeline(issue="training")``: the prefetch thread only reads and plans (the
-  planner runs without the GIL); the training thread issues the next batches' uploads
-  and gathers, asynchronously, when it hands out each step;
 * on request (``--methods``): ``stpipe_depth1_ids_only`` (depth 1 with
   ``pipe.run(batches, to_device=False)``: the batch holds only ids, so the prefetch thread
   moves the planned ids and not the batch's own tensors; slower than the default in the
@@ -379,18 +375,17 @@ class _Stpipe:
         self.setup_s = time.perf_counter() - t0
 
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
-            trace_prefetch=None, to_device=True, issue="prefetch"):
+            trace_prefetch=None, to_device=True):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there. ``trace_prefetch``: a
         directory; run the prefetch thread under cProfile (all its steps, warm-up
         included) and write its tables there. ``to_device``: passed to
-        ``Pipeline.run`` (False: only the planned ids move, not the batch's tensors).
-        ``issue``: ``Pipeline(issue=...)``, the thread that issues each batch's copies."""
+        ``Pipeline.run`` (False: only the planned ids move, not the batch's tensors)."""
         e_in, e_out, opt = self.e_in, self.e_out, self.opt
         tracer = None
         pipe = self.Pipeline(
             {"in": e_in, "out": e_out}, optimizer=opt, depth=depth, profile=profile,
-            ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])}, issue=issue,
+            ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
         )
         if trace_prefetch:
             pipe._producer = _profiled(pipe._producer, trace_prefetch)
@@ -688,13 +683,6 @@ def main(argv=None) -> int:
                 results[m] = stf.run(args, dev, batches, 1)
                 del stf
                 gc.collect()
-            elif m in ("stpipe_depth1_train_issue", "stpipe_depth2_train_issue"):
-                # Pipeline(issue="training"): the prefetch thread only reads and plans; the
-                # training thread issues the next batches' copies when it hands out a step
-                if st is None:
-                    st = _Stpipe(args, dev)
-                results[m] = st.run(args, dev, batches, 2 if m.startswith("stpipe_depth2") else 1,
-                                    issue="training")
             elif m == "stpipe_depth1_ids_only":
                 # depth 1 with run(..., to_device=False): the batch here is nothing but
                 # ids, so its tensors need not travel ahead (less prefetch-thread work)

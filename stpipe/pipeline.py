@@ -100,7 +100,6 @@ the prefetch thread still plans and gathers ahead into CPU staging.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import math
@@ -137,8 +136,6 @@ _thread_ids = itertools.count()
 _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                            torch.int16, torch.int8, torch.uint8, torch.bool))
 _POLL = 0.05
-#: the values of ``Pipeline(issue=...)``
-_ISSUERS = ("prefetch", "training")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -227,21 +224,6 @@ class _Failure:
     exc: BaseException
     where: str
     thread: str
-    #: raised in the prefetch thread (else in the training thread, issuing ahead)
-    prefetch: bool = True
-
-
-class _Issuer:
-    """What :meth:`Pipeline._issue` reads of a run when the training thread issues
-    (``issue="training"``): its own ``where``, so the prefetch thread's is not
-    overwritten, the run's stop flag, and no gate."""
-
-    __slots__ = ("where", "stop", "gate")
-
-    def __init__(self, stop: threading.Event) -> None:
-        self.where = "issuing"
-        self.stop = stop
-        self.gate = None
 
 
 _END = object()
@@ -286,13 +268,8 @@ def _gate_enabled() -> bool:
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
-    def __init__(self, num_slots: int, depth: int, inline: bool = False):
+    def __init__(self, num_slots: int, depth: int):
         self.stop = threading.Event()
-        #: ``issue="training"``: the prefetch thread only reads and plans; the training
-        #: thread issues each batch and keeps those issued ahead in ``ahead``
-        self.inline = inline
-        self.ahead: "collections.deque[Any]" = collections.deque()
-        self.issuer = _Issuer(self.stop)
         self.free_slots: "queue.Queue[int]" = queue.Queue()
         for s in range(num_slots):
             self.free_slots.put(s)
@@ -300,7 +277,7 @@ class _Run:
         self.thread: Optional[threading.Thread] = None
         self.where = "starting"
         self.closed = False
-        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and not inline and _gate_enabled() else None
+        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
 
     def take_slot(self) -> Optional[int]:
         while not self.stop.is_set():
@@ -529,21 +506,12 @@ class Pipeline:
             / write-back, ms); on CUDA this synchronises at each phase, so steps overlap
             less while profiling.
         join_timeout: seconds :meth:`close` waits for the prefetch thread.
-        issue: which thread issues a batch's copies and gathers at ``depth >= 1``.
-            ``"prefetch"`` (default): the prefetch thread, as soon as a staging slot is
-            free. ``"training"``: the prefetch thread only reads and plans batches (the
-            planner runs without the GIL); the training thread issues batch ``j`` and up
-            to ``depth`` planned batches after it when it hands out step ``j``, all
-            asynchronous, so no GIL-holding work of the pipeline's runs beside the
-            user's step. Same results either way; a failure while issuing a batch ahead
-            is raised when its step would begin. Ignored at ``depth=0``.
 
     Raises:
         StpipeTypeError: a table is not a ``HostEmbedding`` or the arguments have the
             wrong type.
-        StpipeValueError: negative ``depth``, an unknown ``issue``, tables on different
-            devices, a table whose weight is in none of the given optimizers, one table
-            given twice.
+        StpipeValueError: negative ``depth``, tables on different devices, a table whose
+            weight is in none of the given optimizers, one table given twice.
     """
 
     def __init__(
@@ -555,7 +523,6 @@ class Pipeline:
         depth: int = 1,
         profile: bool = False,
         join_timeout: float = 5.0,
-        issue: str = "prefetch",
     ) -> None:
         if isinstance(tables, HostEmbedding):
             self._single = True
@@ -586,9 +553,6 @@ class Pipeline:
         if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
             raise StpipeValueError(f"depth must be an int >= 0, got {depth!r}")
         self.depth = int(depth)
-        if issue not in _ISSUERS:
-            raise StpipeValueError(f"issue must be one of {list(_ISSUERS)}, got {issue!r}")
-        self.issue = issue
         self._num_slots = self.depth + 1
         if optimizer is None:
             self._optimizers: List[torch.optim.Optimizer] = []
@@ -810,7 +774,7 @@ class Pipeline:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
-        run = _Run(self._num_slots, self.depth, inline=self.issue == "training")
+        run = _Run(self._num_slots, self.depth)
         self._run = run
         self._inflight.clear()
         try:
@@ -830,18 +794,11 @@ class Pipeline:
             run.thread = threading.Thread(target=self._producer, args=(run, it), name=name, daemon=True)
             run.thread.start()
             while True:
-                item = run.ahead.popleft() if run.ahead else self._next_item(run)
+                item = self._next_item(run)
                 if item is _END or item is None:
                     return
                 if isinstance(item, _Failure):
                     self._reraise(item)
-                if run.inline:
-                    try:
-                        if item.slot < 0:
-                            self._issue_now(item, run)
-                        self._issue_ahead(run)
-                    except _Stopped:  # closed meanwhile (another thread)
-                        return
                 yield from self._deliver(item, run)
                 if run.closed:
                     return
@@ -877,57 +834,9 @@ class Pipeline:
                         f"the prefetch thread {run.thread.name!r} ended without a result (last: {run.where})"
                     ) from None
 
-    def _issue_now(self, flight: _Flight, run: _Run) -> None:
-        """Issue a planned batch from the training thread (``issue="training"``): take
-        a free slot, then upload and gather as the prefetch thread would (:meth:`_issue`).
-        On failure the slot is given back and the exception, noted with where it
-        happened, propagates."""
-        try:
-            slot = run.free_slots.get_nowait()
-        except queue.Empty:
-            raise StpipeRuntimeError(
-                f"no free staging slot to issue batch {flight.index} (the steps before it "
-                "were not finished); this is a bug in stpipe"
-            ) from None
-        flight.slot = slot
-        try:
-            self._issue(flight, run.issuer)
-        except BaseException as exc:
-            run.free_slots.put(slot)
-            flight.slot = -1
-            if not isinstance(exc, _Stopped) and hasattr(exc, "add_note"):
-                exc.add_note(f"stpipe: raised in the training thread while {run.issuer.where} (issue='training')")
-            raise
-
-    def _issue_ahead(self, run: _Run) -> None:
-        """Issue up to ``depth`` planned batches after the one being handed out, as far
-        as the prefetch thread has planned them and slots are free (``issue="training"``).
-
-        Kept in ``run.ahead`` in order; an iterable's end or a prefetch failure stops the
-        look-ahead there. A failure while issuing is kept as a :class:`_Failure` and
-        raised when that batch's step would begin, as a prefetch thread's would be.
-        """
-        while len(run.ahead) < self.depth and not run.free_slots.empty():
-            if run.ahead and not isinstance(run.ahead[-1], _Flight):
-                return  # the end, or a failure, is next
-            try:
-                item = run.out.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Flight):
-                try:
-                    self._issue_now(item, run)
-                except _Stopped:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - raised when its step would begin
-                    item = _Failure(exc, run.issuer.where, threading.current_thread().name, prefetch=False)
-            run.ahead.append(item)
-
     @staticmethod
     def _reraise(fail: _Failure) -> None:
         exc = fail.exc
-        if not fail.prefetch:  # issued ahead by the training thread: its note is on
-            raise exc
         note = f"stpipe: raised in the prefetch thread {fail.thread!r} while {fail.where}"
         if hasattr(exc, "add_note"):
             exc.add_note(note)
@@ -955,7 +864,6 @@ class Pipeline:
                 run.out.get_nowait()
             except queue.Empty:
                 break
-        run.ahead.clear()
         with self._lock:
             self._inflight.clear()
         if self._run is run:
@@ -982,14 +890,6 @@ class Pipeline:
                 if run.stop.is_set():
                     return
                 flight = self._prepare(idx, batch, run)
-                if run.inline:  # the training thread issues it (issue="training")
-                    run.where = f"handing planned batch {idx} to the training thread"
-                    cpu1 = time.thread_time()
-                    self.prefetch_cpu_s += cpu1 - cpu0
-                    cpu0 = cpu1
-                    if not run.put(flight):
-                        return
-                    continue
                 run.where = f"waiting for a free staging slot for batch {idx}"
                 slot = run.take_slot()
                 if slot is None:
@@ -1163,7 +1063,7 @@ class Pipeline:
             t.record_stream(cur)
         flight.claimed.append(cur)
 
-    def _issue(self, flight: _Flight, run: Union[_Run, _Issuer]) -> None:
+    def _issue(self, flight: _Flight, run: _Run) -> None:
         """Overlaps with the batches in flight (off the lock), the batch's one upload,
         then the gather (under the lock).
 
@@ -1191,7 +1091,7 @@ class Pipeline:
             self._gather(flight, run)
             self._inflight[idx] = flight
 
-    def _gather(self, flight: _Flight, run: Union[_Run, _Issuer, None] = None) -> None:
+    def _gather(self, flight: _Flight, run: Optional[_Run] = None) -> None:
         """Gather a batch's rows and known state into its slot (issue lock held).
 
         Stream: the copy stream; records ``flight.ready`` there. On CPU: synchronous.

@@ -111,10 +111,10 @@ def assert_same(a, b):
             assert x == y, key
 
 
-def train(depth, opt_name, batches, *, fail_at=(), skip=(), emb_kw=None, issue="prefetch"):
+def train(depth, opt_name, batches, *, fail_at=(), skip=(), emb_kw=None):
     emb = make_emb(**(emb_kw or {}))
     opt = OPTIMIZERS[opt_name](emb.parameters())
-    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=depth, issue=issue) as pipe:
+    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=depth) as pipe:
         for step in pipe.run(b for i, b in enumerate(batches) if i not in skip):
             try:
                 with step:
@@ -144,10 +144,9 @@ def test_pipelined_equals_sequential(opt_name, pattern):
     batches = make_batches(pattern)
     ref, _ = train(0, opt_name, batches)
     for depth in (1, 2):
-        for issue in ("prefetch", "training"):
-            got, pipe = train(depth, opt_name, batches, issue=issue)
-            assert_same(ref, got)
-            assert pipe.stats["steps"] == STEPS and pipe.stats["failed"] == 0
+        got, pipe = train(depth, opt_name, batches)
+        assert_same(ref, got)
+        assert pipe.stats["steps"] == STEPS and pipe.stats["failed"] == 0
     if pattern != "empty" and opt_name != "sgd":
         assert len(ref) > 1  # optimizer state was offloaded and compared
 
@@ -319,13 +318,12 @@ DEPTHS = pytest.mark.parametrize("depth", [0, 1, 2], ids=lambda d: f"depth{d}")
 
 @DEPTHS
 @pytest.mark.parametrize("opt_name", ["adam", "asgd", "rprop"])
-@pytest.mark.parametrize("issue", ["prefetch", "training"])
-def test_exception_in_step_leaves_tables_and_goes_on(depth, opt_name, issue):
+def test_exception_in_step_leaves_tables_and_goes_on(depth, opt_name):
     """A failed step writes nothing and restores scalar state: as if the batch never was."""
     batches = make_batches("hot")
     for fail in ((0,), (5,), (5, 6), (STEPS - 1,)):
         ref, _ = train(0, opt_name, batches, skip=fail)
-        got, pipe = train(depth, opt_name, batches, fail_at=fail, issue=issue)
+        got, pipe = train(depth, opt_name, batches, fail_at=fail)
         assert_same(ref, got)
         assert pipe.stats["failed"] == len(fail)
 
@@ -740,104 +738,3 @@ def test_state_key_dropped_during_step_is_an_error(depth):
 
     with pytest.raises(StpipeRuntimeError, match="exp_avg_sq"):
         _adam_run(depth, 3, drop)
-
-
-# ------------------------------------------------ issue="training": the training thread issues
-def _adam_step(emb, opt, step):
-    loss_fn(emb(step.ids), step.batch["target"]).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def test_issue_is_validated():
-    with pytest.raises(StpipeValueError, match=r"issue must be one of \['prefetch', 'training'\], got 'main'"):
-        Pipeline(make_emb(), issue="main")
-
-
-@pytest.mark.parametrize("depth", [1, 2])
-def test_issue_training_threads_do_their_parts(depth, monkeypatch):
-    """The prefetch thread plans every batch; every gather runs in the training thread;
-    and while step j runs, batches j+1..j+depth are already gathered (issued ahead)."""
-    import stpipe.pipeline as pipeline_mod
-
-    planners, gatherers, ahead = set(), set(), []
-    real_plan = pipeline_mod._plan
-    monkeypatch.setattr(pipeline_mod, "_plan",
-                        lambda *a, **k: (planners.add(threading.current_thread().name), real_plan(*a, **k))[1])
-    emb = make_emb()
-    real_gather = emb.table.gather
-
-    def gather(*a, **k):
-        gatherers.add(threading.current_thread().name)
-        return real_gather(*a, **k)
-
-    monkeypatch.setattr(emb.table, "gather", gather)
-    opt = OPTIMIZERS["adam"](emb.parameters())
-    batches = make_batches("zipf", steps=8)
-    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth, issue="training") as pipe:
-        for step in pipe.run(batches):
-            with step:
-                ahead.append(sorted(j for j in pipe._inflight if j > step.index))
-                _adam_step(emb, opt, step)
-                time.sleep(0.05)  # the prefetch thread plans the next batches meanwhile
-    assert len(planners) == 1 and next(iter(planners)).startswith("stpipe-prefetch-")
-    assert gatherers == {threading.current_thread().name}
-    # from step 2 on the planner had a step's sleep to run ahead; the last steps have
-    # fewer batches left
-    for j in range(2, 8):
-        assert ahead[j] == list(range(j + 1, min(j + depth, 7) + 1)), (j, ahead)
-    _assert_no_prefetch_threads()
-
-
-@pytest.mark.parametrize("depth", [1, 2])
-def test_issue_training_gather_failure_raised_at_its_step(depth, monkeypatch):
-    """A gather that fails while the training thread issues batch 7 ahead surfaces when
-    step 7 would begin: steps 0-6 train normally, the tables are those of 7 steps."""
-    batches = make_batches("hot")
-    ref, _ = train(0, "adam", batches[:7])
-    emb = make_emb()
-    opt = OPTIMIZERS["adam"](emb.parameters())
-    calls = {"n": 0}
-    real_gather = emb.table.gather
-
-    def flaky_gather(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 8:  # batch 7's row gather
-            raise RuntimeError("injected gather failure")
-        return real_gather(*a, **kw)
-
-    monkeypatch.setattr(emb.table, "gather", flaky_gather)
-    done = []
-    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth, issue="training") as pipe:
-        with pytest.raises(RuntimeError, match="injected gather failure") as info:
-            for step in pipe.run(batches):
-                with step:
-                    _adam_step(emb, opt, step)
-                done.append(step.index)
-    assert done == list(range(7))
-    assert any("gathering batch 7" in n and "training thread" in n for n in info.value.__notes__)
-    assert_same(ref, snapshot(emb, opt))
-    _assert_no_prefetch_threads()
-
-
-@pytest.mark.parametrize("issue", ["prefetch", "training"])
-def test_issue_modes_break_close_and_run_again(issue):
-    """Leaving a run early drops the batches issued ahead; the next run starts clean and
-    trains as a fresh sequential run from the same tables would."""
-    batches = make_batches("sliding")
-    emb, ref_emb = make_emb(), make_emb()
-    opt, ref_opt = OPTIMIZERS["adam"](emb.parameters()), OPTIMIZERS["adam"](ref_emb.parameters())
-    with Pipeline(emb, optimizer=opt, ids="ids", depth=2, issue=issue) as pipe, \
-            Pipeline(ref_emb, optimizer=ref_opt, ids="ids", depth=0) as ref:
-        for p, e, o in ((pipe, emb, opt), (ref, ref_emb, ref_opt)):
-            for step in p.run(batches):
-                with step:
-                    _adam_step(e, o, step)
-                if step.index == 4:
-                    break
-            for step in p.run(batches[5:]):
-                with step:
-                    _adam_step(e, o, step)
-        assert pipe.stats["steps"] == ref.stats["steps"] == STEPS
-    assert_same(snapshot(ref_emb, ref_opt), snapshot(emb, opt))
-    _assert_no_prefetch_threads()

@@ -81,10 +81,10 @@ def assert_same(a, b):
             assert a[k] == b[k], k
 
 
-def train(cuda_device, depth, opt_name, data, fail_at=(), skip=(), issue="prefetch"):
+def train(cuda_device, depth, opt_name, data, fail_at=(), skip=()):
     emb = make_emb(cuda_device)
     opt = OPTIMIZERS[opt_name](emb.parameters())
-    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth, issue=issue) as pipe:
+    with Pipeline(emb, optimizer=opt, ids="ids", depth=depth) as pipe:
         for step in pipe.run(b for i, b in enumerate(data) if i not in skip):
             try:
                 with step:
@@ -112,8 +112,7 @@ def test_gpu_pipelined_equals_sequential(cuda_device, opt_name, pattern):
     data = batches(pattern)
     ref = train(cuda_device, 0, opt_name, data)
     for depth in (1, 2):
-        for issue in ("prefetch", "training"):
-            assert_same(ref, train(cuda_device, depth, opt_name, data, issue=issue))
+        assert_same(ref, train(cuda_device, depth, opt_name, data))
 
 
 def test_gpu_tables_are_pinned_and_rows_on_device(cuda_device):
@@ -188,11 +187,10 @@ def test_gpu_adam_matches_sparse_adam(cuda_device):
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
-@pytest.mark.parametrize("issue", ["prefetch", "training"])
-def test_gpu_failed_step_writes_nothing(cuda_device, depth, issue):
+def test_gpu_failed_step_writes_nothing(cuda_device, depth):
     data = batches("zipf", steps=16)
     ref = train(cuda_device, 0, "adam", data, skip=(0, 7, 8))
-    got = train(cuda_device, depth, "adam", data, fail_at=(0, 7, 8), issue=issue)
+    got = train(cuda_device, depth, "adam", data, fail_at=(0, 7, 8))
     assert_same(ref, got)
 
 
@@ -237,10 +235,10 @@ def test_gpu_two_tables_two_fields(cuda_device):
     data = [{"c": torch.from_numpy((rng.zipf(1.2, 512) - 1) % NUM_ROWS),
              "x": torch.from_numpy((rng.zipf(1.2, (512, 20)) - 1) % NUM_ROWS)} for _ in range(20)]
 
-    def run(depth, issue="prefetch"):
+    def run(depth):
         e_in, e_out = make_emb(cuda_device, 2), make_emb(cuda_device, 3)
         opt = torch.optim.Adam(list(e_in.parameters()) + list(e_out.parameters()), lr=0.01)
-        with Pipeline({"in": e_in, "out": e_out}, optimizer=opt, depth=depth, issue=issue,
+        with Pipeline({"in": e_in, "out": e_out}, optimizer=opt, depth=depth,
                       ids=lambda b: {"in": b["c"], "out": (b["x"][:, :4], b["x"][:, 4:])}) as pipe:
             for step in pipe.run(data):
                 with step:
@@ -254,7 +252,6 @@ def test_gpu_two_tables_two_fields(cuda_device):
 
     ref = run(0)
     for depth in (1, 2):
-        for issue in ("prefetch", "training"):
-            got = run(depth, issue)
-            assert_same(ref[0], got[0])
-            assert_same(ref[1], got[1])
+        got = run(depth)
+        assert_same(ref[0], got[0])
+        assert_same(ref[1], got[1])
