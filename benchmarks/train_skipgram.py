@@ -53,7 +53,10 @@ against that round's ceiling or SpeedTorch row (isolated runs of one configurati
 up to 0.47 ms per step between calls on one machine, so single rounds decide little).
 
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
-and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``).
+and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``), and
+``drain_ms``: from the end of the last step's Python to the end of its GPU work (the final
+synchronisations). About one step's GPU work when the GPU keeps up with the CPU; a
+backlog of many steps when the GPU is what limits the loop.
 
 Reported: steps/s, ms/step, ratio to the ceiling, peak GPU memory allocated by PyTorch
 (``max_memory_allocated``) and device-wide memory in use (``mem_get_info``; this one also
@@ -168,13 +171,17 @@ def timed(dev: torch.device, warmup: int, batches, step_fn: Callable[[Dict[str, 
             t0 = time.perf_counter()
             c0 = time.thread_time()
         loss = step_fn(b)
+        if i == len(batches) - 1:
+            t_cpu = time.perf_counter()
         if i in (0, len(batches) - 1):
             losses.append(float(loss.detach()))
     sync(dev)
-    dt = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    dt = t_end - t0
     n = len(batches) - warmup
     return {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
             "train_cpu_ms_per_step": 1e3 * (time.thread_time() - c0) / n,
+            "drain_ms": 1e3 * (t_end - t_cpu),
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
@@ -404,12 +411,15 @@ class _Stpipe:
                     loss.backward()
                     opt.step()
                     opt.zero_grad()
+                if step.index == len(batches) - 1:
+                    t_cpu = time.perf_counter()
                 if step.index in (0, len(batches) - 1):
                     losses.append(float(loss.detach()))
             pipe.synchronize()
             sync(dev)
             c1 = time.thread_time()
-        dt = time.perf_counter() - t0
+            t_end = time.perf_counter()
+        dt = t_end - t0
         if tracer is not None:
             tracer.finish(trace)
         decisions = {}
@@ -422,6 +432,7 @@ class _Stpipe:
         res = {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
                "train_cpu_ms_per_step": 1e3 * (c1 - c0) / n,
                "prefetch_cpu_ms_per_step": 1e3 * (pipe.prefetch_cpu_s - p0) / n,
+               "drain_ms": 1e3 * (t_end - t_cpu),
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
                "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
