@@ -149,3 +149,25 @@ def test_gadget_rows_run_in_rounds(cs, monkeypatch):
     md = cs._markdown({"info": {"date": "d", "gpu": "g", "cpus": 2, "torch": "t", "cupy": "c", "rows": 100,
                                 "dim": 4, "command": "x", "batch": 8}, "gadget": out, "train": []})
     assert "(2.00x)" in md and md.count("x) [") == 4  # only the CuPy-id rows get a ratio
+
+
+def test_timed_drain_covers_the_wait_after_the_last_step(ts):
+    """``drain_ms`` runs from the end of the last step's Python to the end of its work:
+    here the last loss read, made to take 50 ms (as a GPU backlog would)."""
+    import time
+
+    import torch
+
+    class SlowLoss:
+        def detach(self):
+            return self
+
+        def __float__(self):
+            time.sleep(0.05)
+            return 1.0
+
+    res = ts.timed(torch.device("cpu"), 1, list(range(4)), lambda b: SlowLoss())
+    assert res["steps"] == 3
+    assert 50.0 <= res["drain_ms"] <= res["seconds"] * 1e3
+    quick = ts.timed(torch.device("cpu"), 1, list(range(4)), lambda b: torch.tensor(float(b)))
+    assert 0.0 <= quick["drain_ms"] < 50.0
