@@ -418,8 +418,8 @@ class _Stpipe:
             pipe.synchronize()
             sync(dev)
             c1 = time.thread_time()
-            t_end = time.perf_counter()
-        dt = t_end - t0
+            t_drained = time.perf_counter()
+        dt = time.perf_counter() - t0  # the pipeline's close included, as before drain_ms
         if tracer is not None:
             tracer.finish(trace)
         decisions = {}
@@ -432,7 +432,7 @@ class _Stpipe:
         res = {"steps": n, "seconds": dt, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
                "train_cpu_ms_per_step": 1e3 * (c1 - c0) / n,
                "prefetch_cpu_ms_per_step": 1e3 * (pipe.prefetch_cpu_s - p0) / n,
-               "drain_ms": 1e3 * (t_end - t_cpu),
+               "drain_ms": 1e3 * (t_drained - t_cpu),
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
                "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
