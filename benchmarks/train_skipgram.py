@@ -22,7 +22,10 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   through ``stpipe.compat.speedtorch`` (no fix needed there);
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
-  N computes);
+  N computes), with its defaults: on CUDA ``prefetch_delay="auto"`` times a few issue
+  delays over the run's first ~80 steps and keeps the fastest (the row's ``tuning``);
+* ``stpipe_depth1_nodelay`` (on request): the same with ``prefetch_delay=0`` (batches
+  issued as soon as a slot is free, the default before 2026-12-04);
 * ``stpipe_depth2`` (on request): two batches prefetched, so the prefetch thread has a
   step of slack before the training thread waits for it;
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
@@ -382,7 +385,7 @@ class _Stpipe:
         self.setup_s = time.perf_counter() - t0
 
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
-            trace_prefetch=None, to_device=True):
+            trace_prefetch=None, to_device=True, prefetch_delay="auto"):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there. ``trace_prefetch``: a
         directory; run the prefetch thread under cProfile (all its steps, warm-up
@@ -393,6 +396,7 @@ class _Stpipe:
         pipe = self.Pipeline(
             {"in": e_in, "out": e_out}, optimizer=opt, depth=depth, profile=profile,
             ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
+            prefetch_delay=prefetch_delay,
         )
         if trace_prefetch:
             pipe._producer = _profiled(pipe._producer, trace_prefetch)
@@ -434,7 +438,8 @@ class _Stpipe:
                "prefetch_cpu_ms_per_step": 1e3 * (pipe.prefetch_cpu_s - p0) / n,
                "drain_ms": 1e3 * (t_drained - t_cpu),
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
-               "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions}
+               "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions,
+               "prefetch_delay_ms": 1e3 * pipe.prefetch_delay_s, "tuning": pipe.tuning}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
         if trace:
             res["trace"] = trace
@@ -532,6 +537,8 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
         row["steps_per_s"] = 1e3 / row["ms_per_step"]  # consistent with the median time
         row["rounds"] = len(rows)
         row["rounds_ms_per_step"] = [r["ms_per_step"] for r in rows]
+        if any(r.get("tuning") for r in rows):  # what prefetch_delay="auto" kept, per round
+            row["rounds_tuning"] = [r.get("tuning") for r in rows]
         for label, base in bases.items():
             if name == base or (label != "ceiling" and not name.startswith(("stpipe", "compat"))):
                 continue
@@ -686,6 +693,11 @@ def main(argv=None) -> int:
                     st = _Stpipe(args, dev)
                 with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": "1" if m.endswith("_gate") else "0"}):
                     results[m] = st.run(args, dev, batches, 1)
+            elif m == "stpipe_depth1_nodelay":
+                # depth 1 issuing each batch as soon as a slot is free (no prefetch delay)
+                if st is None:
+                    st = _Stpipe(args, dev)
+                results[m] = st.run(args, dev, batches, 1, prefetch_delay=0.0)
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)
                 gc.collect()
