@@ -22,10 +22,10 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   through ``stpipe.compat.speedtorch`` (no fix needed there);
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
-  N computes), with its defaults: on CUDA ``prefetch_delay="auto"`` times a few issue
-  delays over the run's first ~80 steps and keeps the fastest (the row's ``tuning``);
-* ``stpipe_depth1_nodelay`` (on request): the same with ``prefetch_delay=0`` (batches
-  issued as soon as a slot is free, the default before 2026-12-04);
+  N computes);
+* ``stpipe_depth1_delay`` (on request): the same with ``Pipeline(prefetch_delay=...)`` set
+  to ``--prefetch-delay-ms`` (default 0.5): the prefetch thread waits that long after a
+  slot frees before issuing the next batch (an experiment);
 * ``stpipe_depth2`` (on request): two batches prefetched, so the prefetch thread has a
   step of slack before the training thread waits for it;
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
@@ -385,7 +385,7 @@ class _Stpipe:
         self.setup_s = time.perf_counter() - t0
 
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
-            trace_prefetch=None, to_device=True, prefetch_delay="auto"):
+            trace_prefetch=None, to_device=True, prefetch_delay=0.0):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there. ``trace_prefetch``: a
         directory; run the prefetch thread under cProfile (all its steps, warm-up
@@ -439,7 +439,7 @@ class _Stpipe:
                "drain_ms": 1e3 * (t_drained - t_cpu),
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
                "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions,
-               "prefetch_delay_ms": 1e3 * pipe.prefetch_delay_s, "tuning": pipe.tuning}
+               "prefetch_delay_ms": 1e3 * pipe.prefetch_delay}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
         if trace:
             res["trace"] = trace
@@ -490,6 +490,7 @@ def _run_isolated(args, methods: List[str], log) -> Dict[str, Any]:
                 cmd += ["--trace", args.trace]
             if args.uva_blocks_per_sm is not None:
                 cmd += ["--uva-blocks-per-sm", str(args.uva_blocks_per_sm)]
+            cmd += ["--prefetch-delay-ms", str(args.prefetch_delay_ms)]
             log(f"-- {m} (own process)")
             proc = subprocess.run(cmd, capture_output=True, text=True)
             path = os.path.join(d, "train_skipgram.json")
@@ -537,8 +538,6 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
         row["steps_per_s"] = 1e3 / row["ms_per_step"]  # consistent with the median time
         row["rounds"] = len(rows)
         row["rounds_ms_per_step"] = [r["ms_per_step"] for r in rows]
-        if any(r.get("tuning") for r in rows):  # what prefetch_delay="auto" kept, per round
-            row["rounds_tuning"] = [r.get("tuning") for r in rows]
         for label, base in bases.items():
             if name == base or (label != "ceiling" and not name.startswith(("stpipe", "compat"))):
                 continue
@@ -610,6 +609,8 @@ def main(argv=None) -> int:
     ap.add_argument("--uva-blocks-per-sm", type=int, default=None,
                     help="experiment: cap the UVA row kernels' grid at this many blocks per "
                          "multiprocessor (default: stpipe's, 32)")
+    ap.add_argument("--prefetch-delay-ms", type=float, default=0.5,
+                    help="method stpipe_depth1_delay: Pipeline(prefetch_delay=) in ms (default 0.5)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds: expected >= 1, got {args.rounds}")
@@ -693,11 +694,11 @@ def main(argv=None) -> int:
                     st = _Stpipe(args, dev)
                 with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": "1" if m.endswith("_gate") else "0"}):
                     results[m] = st.run(args, dev, batches, 1)
-            elif m == "stpipe_depth1_nodelay":
-                # depth 1 issuing each batch as soon as a slot is free (no prefetch delay)
+            elif m == "stpipe_depth1_delay":
+                # depth 1, each batch issued --prefetch-delay-ms after its slot frees
                 if st is None:
                     st = _Stpipe(args, dev)
-                results[m] = st.run(args, dev, batches, 1, prefetch_delay=0.0)
+                results[m] = st.run(args, dev, batches, 1, prefetch_delay=args.prefetch_delay_ms / 1e3)
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)
                 gc.collect()

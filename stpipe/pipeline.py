@@ -29,8 +29,8 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    (the training thread waits there without the GIL) instead of during the step's entry
    and forward. Ordering only: no result depends on it. On the H200 it helped at 2M rows
    in one process and slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
-   With the same aim, ``prefetch_delay`` makes it wait a time after the slot freed
-   (:mod:`stpipe._delay`; ``"auto"``, the default on CUDA, measures which time is best).
+   With the same aim, ``Pipeline(prefetch_delay=s)`` (also an experiment; default 0)
+   makes it wait ``s`` seconds after the slot it takes was freed.
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -116,7 +116,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import numpy as np
 import torch
 
-from ._delay import _DelayTuner, check_delay
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from ._staging import _as_numpy, _views
@@ -271,8 +270,7 @@ def _gate_enabled() -> bool:
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
-    def __init__(self, num_slots: int, depth: int, delay: float = 0.0,
-                 tuner: Optional[_DelayTuner] = None):
+    def __init__(self, num_slots: int, depth: int, delay: float = 0.0):
         self.stop = threading.Event()
         self.free_slots: "queue.Queue[int]" = queue.Queue()
         for s in range(num_slots):
@@ -282,19 +280,14 @@ class _Run:
         self.where = "starting"
         self.closed = False
         self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
-        #: the prefetch delay: fixed seconds, or chosen by ``tuner`` (``prefetch_delay="auto"``)
+        #: seconds the prefetch thread waits after a slot frees (``prefetch_delay``)
         self.delay = delay
-        self.tuner = tuner
         #: ``time.perf_counter()`` when the training thread last freed each slot
         self.freed: Dict[int, float] = {}
 
-    def free(self, slot: int, step_done: bool = False) -> None:
-        """Give a slot back (training thread), noting when; ``step_done``: a step ended
-        successfully (the delay tuner counts it first, so the prefetch thread woken by the
-        slot reads the next step's delay)."""
-        t = self.freed[slot] = time.perf_counter()
-        if step_done and self.tuner is not None:
-            self.tuner.step_done(t)
+    def free(self, slot: int) -> None:
+        """Give a slot back (training thread), noting when."""
+        self.freed[slot] = time.perf_counter()
         self.free_slots.put(slot)
 
     def take_slot(self) -> Optional[int]:
@@ -524,21 +517,21 @@ class Pipeline:
             / write-back, ms); on CUDA this synchronises at each phase, so steps overlap
             less while profiling.
         join_timeout: seconds :meth:`close` waits for the prefetch thread.
-        prefetch_delay: when the prefetch thread issues a batch (depth >= 1; timing only,
-            never results): seconds to wait after the training thread frees a staging
-            slot, so that the issue's GIL-bound Python falls into the step's
-            ``backward()`` rather than its entry and forward pass. ``"auto"`` (default):
-            on CUDA each run times a few delays (0, 0.15 and 0.3 of its step time, in
-            interleaved blocks over about its first 80 steps) and keeps the fastest, no
-            delay unless another is at least 2% faster (:attr:`prefetch_delay_s`,
-            :attr:`tuning`); on CPU no delay. ``0``: issue as soon as a slot frees.
+        prefetch_delay: an experiment (depth >= 1; timing only, never results): seconds
+            the prefetch thread waits after the training thread frees a staging slot
+            before issuing the next batch into it, so that the issue's GIL-bound Python
+            can fall into the step's ``backward()`` (where the training thread waits
+            without the GIL) rather than its entry and forward pass. Default 0: issue as
+            soon as a slot frees. Slots not yet used in a run are never waited for. The
+            best value depends on the machine and the step; benchmarks/RESULTS.md
+            (2026-12-04) has runs where 0.4-0.7 ms helped and where it did not.
 
     Raises:
         StpipeTypeError: a table is not a ``HostEmbedding`` or the arguments have the
             wrong type.
         StpipeValueError: negative ``depth``, tables on different devices, a table whose
-            weight is in none of the given optimizers, one table given twice, a
-            ``prefetch_delay`` that is neither ``"auto"`` nor seconds >= 0.
+            weight is in none of the given optimizers, one table given twice, a negative
+            or non-finite ``prefetch_delay``.
     """
 
     def __init__(
@@ -550,7 +543,7 @@ class Pipeline:
         depth: int = 1,
         profile: bool = False,
         join_timeout: float = 5.0,
-        prefetch_delay: Union[str, float] = "auto",
+        prefetch_delay: float = 0.0,
     ) -> None:
         if isinstance(tables, HostEmbedding):
             self._single = True
@@ -593,8 +586,14 @@ class Pipeline:
                 f"optimizer must be a torch.optim.Optimizer, a list of them or None, got {type(optimizer).__name__}"
             )
         self._ids_fn = self._make_ids_fn(ids)
-        self._delay_arg = check_delay(prefetch_delay)
-        self._tuner: Optional[_DelayTuner] = None
+        if isinstance(prefetch_delay, bool) or not isinstance(prefetch_delay, (int, float, np.integer, np.floating)):
+            raise StpipeTypeError(
+                f"prefetch_delay must be a number of seconds, got {type(prefetch_delay).__name__}"
+            )
+        if not (math.isfinite(prefetch_delay) and prefetch_delay >= 0):
+            raise StpipeValueError(f"prefetch_delay must be seconds >= 0, got {prefetch_delay!r}")
+        #: seconds the prefetch thread waits after a slot frees before issuing (depth >= 1)
+        self.prefetch_delay = float(prefetch_delay)
         self._profile = bool(profile)
         self.profile: List[Dict[str, float]] = []
         self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0}
@@ -662,11 +661,6 @@ class Pipeline:
             return lambda b: {n: getters[n](b) for n in names}
         raise StpipeTypeError(f"ids= must be None, a key, a callable or a dict, got {type(ids).__name__}")
 
-    def _make_tuner(self) -> Optional[_DelayTuner]:
-        """The delay tuner of a run with ``prefetch_delay="auto"``: on CUDA only (on CPU
-        the prefetch thread's gathers are CPU copies, and no delay was measured to help)."""
-        return _DelayTuner() if self._cuda else None
-
     # -------------------------------------------------------------- public API
     def run(self, iterable: Iterable[Any], *, to_device: bool = True) -> Iterator[Step]:
         """Yield one :class:`Step` per batch of ``iterable``; batches are read ahead.
@@ -701,25 +695,6 @@ class Pipeline:
         it = iter(iterable)
         self._to_device = bool(to_device)
         return self._steps(it)
-
-    @property
-    def prefetch_delay_s(self) -> float:
-        """The prefetch delay in force now, in seconds (see ``prefetch_delay``); with
-        ``"auto"``, the delay being tried or the one kept (0.0 outside a run at depth 0
-        or on CPU)."""
-        run = self._run
-        if run is None:
-            if self._tuner is not None and self._tuner.chosen_s is not None:
-                return self._tuner.chosen_s
-            return 0.0 if self._delay_arg == "auto" or self.depth == 0 else float(self._delay_arg)
-        return run.tuner.delay() if run.tuner is not None else run.delay
-
-    @property
-    def tuning(self) -> Optional[Dict[str, Any]]:
-        """What ``prefetch_delay="auto"`` measured in the latest run (step time, the
-        candidate delays, each one's median step, the delay kept, all in ms), or ``None``
-        (no tuning, or it has not finished)."""
-        return None if self._tuner is None else self._tuner.report()
 
     def close(self) -> None:
         """Stop the prefetch thread (joined with ``join_timeout``), wait for write-backs.
@@ -828,16 +803,8 @@ class Pipeline:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
-        tuner = None
-        delay = 0.0
-        if self.depth >= 1:
-            if self._delay_arg == "auto":
-                tuner = self._make_tuner()
-            else:
-                delay = float(self._delay_arg)
-        run = _Run(self._num_slots, self.depth, delay, tuner)
+        run = _Run(self._num_slots, self.depth, self.prefetch_delay)
         self._run = run
-        self._tuner = tuner
         self._inflight.clear()
         try:
             if self.depth == 0:
@@ -980,7 +947,7 @@ class Pipeline:
         """Wait until ``prefetch_delay`` after the training thread freed ``slot`` (the
         start of the step this batch's issue will overlap); no wait for a slot never
         used in this run, or freed longer ago than the delay. False if stopped."""
-        d = run.tuner.delay() if run.tuner is not None else run.delay
+        d = run.delay
         t0 = run.freed.get(slot)
         if d <= 0.0 or t0 is None:
             return True
@@ -1350,7 +1317,7 @@ class Pipeline:
             self.profile.append(step.record)
         self.stats["steps"] += 1
         if run is not None and not run.closed:
-            run.free(f.slot, step_done=True)
+            run.free(f.slot)
         f.slot = -1
         if run is None or run.closed:
             self.synchronize()
