@@ -270,7 +270,7 @@ def _gate_enabled() -> bool:
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
-    def __init__(self, num_slots: int, depth: int, delay: float = 0.0):
+    def __init__(self, num_slots: int, depth: int):
         self.stop = threading.Event()
         self.free_slots: "queue.Queue[int]" = queue.Queue()
         for s in range(num_slots):
@@ -280,8 +280,6 @@ class _Run:
         self.where = "starting"
         self.closed = False
         self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
-        #: seconds the prefetch thread waits after a slot frees (``prefetch_delay``)
-        self.delay = delay
         #: ``time.perf_counter()`` when the training thread last freed each slot
         self.freed: Dict[int, float] = {}
 
@@ -803,7 +801,7 @@ class Pipeline:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
-        run = _Run(self._num_slots, self.depth, self.prefetch_delay)
+        run = _Run(self._num_slots, self.depth)
         self._run = run
         self._inflight.clear()
         try:
@@ -947,9 +945,11 @@ class Pipeline:
         """Wait until ``prefetch_delay`` after the training thread freed ``slot`` (the
         start of the step this batch's issue will overlap); no wait for a slot never
         used in this run, or freed longer ago than the delay. False if stopped."""
-        d = run.delay
+        d = self.prefetch_delay
+        if d <= 0.0:
+            return True
         t0 = run.freed.get(slot)
-        if d <= 0.0 or t0 is None:
+        if t0 is None:
             return True
         wait = t0 + d - time.perf_counter()
         if wait <= 0.0:
