@@ -28,7 +28,7 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   slot frees before issuing the next batch (an experiment);
 * ``stpipe_depth1_auto`` (on request): depth 1 with ``Pipeline(prefetch_delay="auto")``:
   the pipeline first trains on the benchmark's batches (cycled) until its delay tuner has
-  chosen (it times candidate delays by CUDA events; about 260 steps), then the timed run
+  chosen (it times candidate delays by CUDA events; about 110 steps), then the timed run
   uses that choice, as a later epoch of a real run would. The row reports the tuning
   (``tuning``: each candidate's median GPU step) and the steps it took;
 * ``stpipe_depth2`` (on request): two batches prefetched, so the prefetch thread has a

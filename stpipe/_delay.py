@@ -52,7 +52,7 @@ WARMUP = 10
 #: steps timed per block
 TIMED = 4
 #: blocks per candidate (each round runs every candidate once, the order rotating)
-ROUNDS = 12
+ROUNDS = 6
 #: a delay is kept only if its median step is this much shorter than no delay's
 MARGIN = 0.02
 

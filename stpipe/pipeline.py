@@ -528,7 +528,7 @@ class Pipeline:
             best value depends on the machine and the step; benchmarks/RESULTS.md
             (2026-12-04) has runs where 0.4-0.7 ms helped and where it did not.
             ``"auto"``: on CUDA, the first run times no delay and 0.1, 0.2 and 0.3 of
-            the step's GPU time over about its first 260 steps, by CUDA events at the
+            the step's GPU time over about its first 110 steps, by CUDA events at the
             steps' ends, and keeps the fastest (no delay unless another is 2% faster;
             :attr:`tuning`); later runs of the pipeline keep that choice. On CPU,
             ``"auto"`` is no delay.
