@@ -26,11 +26,6 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * ``stpipe_depth1_delay`` (on request): the same with ``Pipeline(prefetch_delay=...)`` set
   to ``--prefetch-delay-ms`` (default 0.5): the prefetch thread waits that long after a
   slot frees before issuing the next batch (an experiment);
-* ``stpipe_depth1_auto`` (on request): depth 1 with ``Pipeline(prefetch_delay="auto")``:
-  the pipeline first trains on the benchmark's batches (cycled) until its delay tuner has
-  chosen (it times candidate delays by CUDA events; about 110 steps), then the timed run
-  uses that choice, as a later epoch of a real run would. The row reports the tuning
-  (``tuning``: each candidate's median GPU step) and the steps it took;
 * ``stpipe_depth2`` (on request): two batches prefetched, so the prefetch thread has a
   step of slack before the training thread waits for it;
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
@@ -390,14 +385,12 @@ class _Stpipe:
         self.setup_s = time.perf_counter() - t0
 
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
-            trace_prefetch=None, to_device=True, prefetch_delay=0.0, max_tuning_steps=600):
+            trace_prefetch=None, to_device=True, prefetch_delay=0.0):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there. ``trace_prefetch``: a
         directory; run the prefetch thread under cProfile (all its steps, warm-up
         included) and write its tables there. ``to_device``: passed to
-        ``Pipeline.run`` (False: only the planned ids move, not the batch's tensors).
-        ``prefetch_delay="auto"``: before the timed run, a tuning run over ``batches``
-        (cycled, at most ``max_tuning_steps``) until the pipeline has chosen its delay."""
+        ``Pipeline.run`` (False: only the planned ids move, not the batch's tensors)."""
         e_in, e_out, opt = self.e_in, self.e_out, self.opt
         tracer = None
         pipe = self.Pipeline(
@@ -407,24 +400,6 @@ class _Stpipe:
         )
         if trace_prefetch:
             pipe._producer = _profiled(pipe._producer, trace_prefetch)
-        tuning_steps, tuning_s = 0, 0.0
-        if prefetch_delay == "auto" and depth >= 1 and dev.type == "cuda":  # no tuner on CPU
-            tt = time.perf_counter()
-            cycled = (batches[i % len(batches)] for i in range(max_tuning_steps))
-            it = pipe.run(cycled, to_device=to_device)
-            for step in it:
-                with step:
-                    pos, neg = step.ids["out"]
-                    loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                tuning_steps += 1
-                if pipe.tuning is not None:
-                    break
-            it.close()
-            sync(dev)
-            tuning_s = time.perf_counter() - tt
         losses, t0 = [], None
         with pipe:
             for step in pipe.run(batches, to_device=to_device):
@@ -464,9 +439,7 @@ class _Stpipe:
                "drain_ms": 1e3 * (t_drained - t_cpu),
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
                "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions,
-               "prefetch_delay_ms": 1e3 * pipe.prefetch_delay_s}
-        if prefetch_delay == "auto":
-            res.update(tuning=pipe.tuning, tuning_steps=tuning_steps, tuning_s=round(tuning_s, 3))
+               "prefetch_delay_ms": 1e3 * pipe.prefetch_delay}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
         if trace:
             res["trace"] = trace
@@ -543,8 +516,8 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
     SpeedTorch's rows) are medians of each round's own ratio, a method against the
     baseline of the same round, so a machine that speeds up or slows down between rounds
     moves both sides. Each row keeps ``rounds_ms_per_step`` and, where a ceiling ran,
-    ``rounds_ratio_to_ceiling`` (in round order), a tuned row ``rounds_tuning``; a method
-    that failed in every round keeps its first error.
+    ``rounds_ratio_to_ceiling`` (in round order); a method that failed in every round
+    keeps its first error.
     """
     names: List[str] = []
     for res in rounds:
@@ -565,8 +538,6 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
         row["steps_per_s"] = 1e3 / row["ms_per_step"]  # consistent with the median time
         row["rounds"] = len(rows)
         row["rounds_ms_per_step"] = [r["ms_per_step"] for r in rows]
-        if any("tuning" in r for r in rows):  # stpipe_depth1_auto: each round's own choice
-            row["rounds_tuning"] = [r.get("tuning") for r in rows]
         for label, base in bases.items():
             if name == base or (label != "ceiling" and not name.startswith(("stpipe", "compat"))):
                 continue
@@ -728,11 +699,6 @@ def main(argv=None) -> int:
                 if st is None:
                     st = _Stpipe(args, dev)
                 results[m] = st.run(args, dev, batches, 1, prefetch_delay=args.prefetch_delay_ms / 1e3)
-            elif m == "stpipe_depth1_auto":
-                # depth 1, the delay chosen by Pipeline(prefetch_delay="auto") first
-                if st is None:
-                    st = _Stpipe(args, dev)
-                results[m] = st.run(args, dev, batches, 1, prefetch_delay="auto")
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)
                 gc.collect()

@@ -30,8 +30,7 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    and forward. Ordering only: no result depends on it. On the H200 it helped at 2M rows
    in one process and slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
    With the same aim, ``Pipeline(prefetch_delay=s)`` (also an experiment; default 0)
-   makes it wait ``s`` seconds after the slot it takes was freed; ``"auto"`` chooses
-   ``s`` from GPU-side step times (:mod:`stpipe._delay`).
+   makes it wait ``s`` seconds after the slot it takes was freed.
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -117,7 +116,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import numpy as np
 import torch
 
-from ._delay import _DelayTuner
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from ._staging import _as_numpy, _views
@@ -272,7 +270,7 @@ def _gate_enabled() -> bool:
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
-    def __init__(self, num_slots: int, depth: int, tuner: Optional[_DelayTuner] = None):
+    def __init__(self, num_slots: int, depth: int):
         self.stop = threading.Event()
         self.free_slots: "queue.Queue[int]" = queue.Queue()
         for s in range(num_slots):
@@ -284,8 +282,6 @@ class _Run:
         self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
         #: ``time.perf_counter()`` when the training thread last freed each slot
         self.freed: Dict[int, float] = {}
-        #: ``prefetch_delay="auto"``'s tuner (CUDA, depth >= 1), else ``None``
-        self.tuner = tuner
 
     def free(self, slot: int) -> None:
         """Give a slot back (training thread), noting when."""
@@ -527,18 +523,13 @@ class Pipeline:
             soon as a slot frees. Slots not yet used in a run are never waited for. The
             best value depends on the machine and the step; benchmarks/RESULTS.md
             (2026-12-04) has runs where 0.4-0.7 ms helped and where it did not.
-            ``"auto"``: on CUDA, the first run times no delay and 0.1, 0.2 and 0.3 of
-            the step's GPU time over about its first 110 steps, by CUDA events at the
-            steps' ends, and keeps the fastest (no delay unless another is 2% faster;
-            :attr:`tuning`); later runs of the pipeline keep that choice. On CPU,
-            ``"auto"`` is no delay.
 
     Raises:
         StpipeTypeError: a table is not a ``HostEmbedding`` or the arguments have the
             wrong type.
         StpipeValueError: negative ``depth``, tables on different devices, a table whose
             weight is in none of the given optimizers, one table given twice, a negative
-            or non-finite ``prefetch_delay``, or a string other than ``"auto"``.
+            or non-finite ``prefetch_delay``.
     """
 
     def __init__(
@@ -550,7 +541,7 @@ class Pipeline:
         depth: int = 1,
         profile: bool = False,
         join_timeout: float = 5.0,
-        prefetch_delay: Union[float, str] = 0.0,
+        prefetch_delay: float = 0.0,
     ) -> None:
         if isinstance(tables, HostEmbedding):
             self._single = True
@@ -593,20 +584,14 @@ class Pipeline:
                 f"optimizer must be a torch.optim.Optimizer, a list of them or None, got {type(optimizer).__name__}"
             )
         self._ids_fn = self._make_ids_fn(ids)
-        if isinstance(prefetch_delay, str):
-            if prefetch_delay != "auto":
-                raise StpipeValueError(f"prefetch_delay must be 'auto' or seconds >= 0, got {prefetch_delay!r}")
-        elif isinstance(prefetch_delay, bool) or not isinstance(prefetch_delay, (int, float, np.integer, np.floating)):
+        if isinstance(prefetch_delay, bool) or not isinstance(prefetch_delay, (int, float, np.integer, np.floating)):
             raise StpipeTypeError(
-                f"prefetch_delay must be 'auto' or a number of seconds, got {type(prefetch_delay).__name__}"
+                f"prefetch_delay must be a number of seconds, got {type(prefetch_delay).__name__}"
             )
-        elif not (math.isfinite(prefetch_delay) and prefetch_delay >= 0):
-            raise StpipeValueError(f"prefetch_delay must be 'auto' or seconds >= 0, got {prefetch_delay!r}")
-        #: seconds the prefetch thread waits after a slot frees before issuing (depth >= 1),
-        #: or ``"auto"``
-        self.prefetch_delay: Union[float, str] = (
-            prefetch_delay if isinstance(prefetch_delay, str) else float(prefetch_delay))
-        self._tuner: Optional[_DelayTuner] = None
+        if not (math.isfinite(prefetch_delay) and prefetch_delay >= 0):
+            raise StpipeValueError(f"prefetch_delay must be seconds >= 0, got {prefetch_delay!r}")
+        #: seconds the prefetch thread waits after a slot frees before issuing (depth >= 1)
+        self.prefetch_delay = float(prefetch_delay)
         self._profile = bool(profile)
         self.profile: List[Dict[str, float]] = []
         self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0}
@@ -674,49 +659,7 @@ class Pipeline:
             return lambda b: {n: getters[n](b) for n in names}
         raise StpipeTypeError(f"ids= must be None, a key, a callable or a dict, got {type(ids).__name__}")
 
-    def _run_tuner(self) -> Optional[_DelayTuner]:
-        """The delay tuner of a new run: with ``prefetch_delay="auto"`` at depth >= 1 on
-        CUDA, the pipeline's tuner if it has chosen, else a fresh one."""
-        if self.prefetch_delay != "auto" or self.depth == 0:
-            return None
-        if self._tuner is None or not self._tuner.done:
-            self._tuner = self._make_tuner()
-        return self._tuner
-
-    def _make_tuner(self) -> Optional[_DelayTuner]:
-        """A tuner timing steps by CUDA events on the compute stream; ``None`` on CPU
-        (no delay was measured to help there)."""
-        if not self._cuda:
-            return None
-
-        def record(stream: Any) -> Any:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream)
-            return ev
-
-        return _DelayTuner(self.depth, record)
-
     # -------------------------------------------------------------- public API
-    @property
-    def tuning(self) -> Optional[Dict[str, Any]]:
-        """What ``prefetch_delay="auto"`` measured (ms: the warm-up's GPU step time, the
-        candidate delays, each one's median GPU step and, for comparison, its median
-        step by the training thread's clock, the delay kept), or ``None`` (no tuning, or
-        not finished yet)."""
-        return None if self._tuner is None else self._tuner.report()
-
-    @property
-    def prefetch_delay_s(self) -> float:
-        """The delay in force for the next batch (seconds): ``prefetch_delay``, or with
-        ``"auto"`` the delay kept (0.0 while tuning, on CPU, or at depth 0)."""
-        d = self.prefetch_delay
-        if self.depth == 0:
-            return 0.0
-        if d == "auto":
-            t = self._tuner
-            return t.chosen_s if t is not None and t.chosen_s is not None else 0.0
-        return float(d)
-
     def run(self, iterable: Iterable[Any], *, to_device: bool = True) -> Iterator[Step]:
         """Yield one :class:`Step` per batch of ``iterable``; batches are read ahead.
 
@@ -858,7 +801,7 @@ class Pipeline:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
-        run = _Run(self._num_slots, self.depth, self._run_tuner())
+        run = _Run(self._num_slots, self.depth)
         self._run = run
         self._inflight.clear()
         try:
@@ -1003,12 +946,8 @@ class Pipeline:
         start of the step this batch's issue will overlap); no wait for a slot never
         used in this run, or freed longer ago than the delay. False if stopped."""
         d = self.prefetch_delay
-        if d == 0.0:
+        if d <= 0.0:
             return True
-        if d == "auto":
-            d = 0.0 if run.tuner is None else run.tuner.delay_for(idx)
-            if d <= 0.0:
-                return True
         t0 = run.freed.get(slot)
         if t0 is None:
             return True
@@ -1378,9 +1317,6 @@ class Pipeline:
             self.profile.append(step.record)
         self.stats["steps"] += 1
         if run is not None and not run.closed:
-            tuner = run.tuner
-            if tuner is not None and tuner.chosen_s is None:
-                tuner.step_done(f.index, compute, time.perf_counter())
             run.free(f.slot)
         f.slot = -1
         if run is None or run.closed:

@@ -29,19 +29,13 @@ def test_prefetch_delay_accepts_seconds(value):
 
 @pytest.mark.parametrize("value", [-1, -1e-9, math.nan, math.inf])
 def test_prefetch_delay_rejects_values(value):
-    with pytest.raises(StpipeValueError, match="prefetch_delay must be 'auto' or seconds >= 0"):
+    with pytest.raises(StpipeValueError, match="prefetch_delay must be seconds >= 0"):
         Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"), prefetch_delay=value)
 
 
-@pytest.mark.parametrize("value", ["0.1", "AUTO", ""])
-def test_prefetch_delay_rejects_strings_other_than_auto(value):
-    with pytest.raises(StpipeValueError, match=r"prefetch_delay must be 'auto' or seconds >= 0, got '"):
-        Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"), prefetch_delay=value)
-
-
-@pytest.mark.parametrize("value", [True, None, [0.1], b"auto"])
+@pytest.mark.parametrize("value", [True, None, "auto", "0.1", [0.1]])
 def test_prefetch_delay_rejects_types(value):
-    with pytest.raises(StpipeTypeError, match="prefetch_delay must be 'auto' or a number of seconds"):
+    with pytest.raises(StpipeTypeError, match="prefetch_delay must be a number of seconds"):
         Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"), prefetch_delay=value)
 
 
