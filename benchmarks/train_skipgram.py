@@ -55,6 +55,15 @@ each row reports medians over its rounds; its ratios are the medians of each rou
 against that round's ceiling or SpeedTorch row (isolated runs of one configuration moved by
 up to 0.47 ms per step between calls on one machine, so single rounds decide little).
 
+``--interleave N`` instead keeps every method's tables in one process and runs the methods
+in turn, in blocks of ``N`` timed steps (after 5 untimed ones), the order reversed in every
+other round, every method on the same batches in a round, until each has timed ``--steps``
+steps; a ratio to the ceiling is the median of the per-round ratios. On the shared H200
+hosts one configuration's speed moved by up to 30% within seconds (RESULTS.md,
+2026-12-04), so blocks a fraction of a second apart compare the methods on the same
+machine state. It runs ``gpu_sparse_adam`` and the stpipe rows (``stpipe_depth0``,
+``stpipe_depth1``, ``stpipe_depth1_delay``); its rows report no CPU times.
+
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``), and
 ``drain_ms``: from the end of the last step's Python to the end of its GPU work (the final
@@ -70,6 +79,8 @@ Usage::
 
     python benchmarks/train_skipgram.py --out /tmp/bench            # full, H200
     python benchmarks/train_skipgram.py --quick --out /tmp/bench    # tiny, anywhere
+    python benchmarks/train_skipgram.py --steps 1000 --interleave 50 \
+        --methods gpu_sparse_adam,stpipe_depth1 --out /tmp/bench     # paired blocks, H200
 """
 from __future__ import annotations
 
@@ -189,14 +200,14 @@ def timed(dev: torch.device, warmup: int, batches, step_fn: Callable[[Dict[str, 
 
 
 # --------------------------------------------------------------------------- methods
-def run_ceiling(args, dev, batches):
+def _ceiling_step(args, dev):
+    """The ceiling's tables, optimizer and step function (batches already on ``dev``)."""
     e_in = torch.nn.Embedding(args.rows, DIM, sparse=True, device=dev)
     e_out = torch.nn.Embedding(args.rows, DIM, sparse=True, device=dev)
     with torch.no_grad():
         e_in.weight.uniform_(-0.5 / DIM, 0.5 / DIM)
         e_out.weight.zero_()
     opt = torch.optim.SparseAdam(list(e_in.parameters()) + list(e_out.parameters()), lr=LR)
-    dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
 
     def step(b):
         loss = sgns_loss(e_in(b["centre"]), e_out(b["pos"]), e_out(b["neg"]))
@@ -205,6 +216,12 @@ def run_ceiling(args, dev, batches):
         opt.zero_grad()
         return loss
 
+    return step
+
+
+def run_ceiling(args, dev, batches):
+    step = _ceiling_step(args, dev)
+    dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
     res = timed(dev, args.warmup, dbatches, step)
     res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note="tables + SparseAdam state on the GPU")
     return res
@@ -450,6 +467,105 @@ class _Stpipe:
         return res
 
 
+#: methods ``--interleave`` can run (tables of all of them live in one process)
+INTERLEAVE_METHODS = ("gpu_sparse_adam", "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
+#: steps at the start of each interleaved block that are not timed (a stpipe block starts
+#: a new ``Pipeline.run``: its prefetch thread starts and its first gather is not overlapped)
+INTERLEAVE_SKIP = 5
+
+
+def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, Any]:
+    """``--interleave N``: every method's tables in this one process, the methods run in
+    turn for blocks of ``N`` timed steps (after ``INTERLEAVE_SKIP`` untimed ones), the
+    order reversed in every other round, each round on the same batches for every method,
+    until each method has timed ``--steps`` steps. Machine speed moves by up to 30% within
+    seconds on the shared H200 hosts (RESULTS.md, 2026-12-04 17:34); blocks next to each
+    other see the same machine, so a method's ratio to the ceiling is the median of its
+    per-round ratios. Each block is timed between two device synchronisations."""
+    bad = [m for m in methods if m not in INTERLEAVE_METHODS]
+    if bad:
+        raise SystemExit(f"--interleave runs {', '.join(INTERLEAVE_METHODS)}; got {', '.join(bad)}")
+    block = args.interleave
+    runs: Dict[str, Callable[[List[Any]], float]] = {}
+    closers = []
+    st = None
+    for m in methods:
+        if m == "gpu_sparse_adam":
+            step = _ceiling_step(args, dev)
+            dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+            index = {id(b): i for i, b in enumerate(batches)}
+
+            def run_block(bs, step=step, dbatches=dbatches, index=index):
+                t0 = None
+                for i, b in enumerate(bs):
+                    if i == INTERLEAVE_SKIP:
+                        sync(dev)
+                        t0 = time.perf_counter()
+                    step(dbatches[index[id(b)]])
+                sync(dev)
+                return time.perf_counter() - t0
+            runs[m] = run_block
+        else:
+            if st is None:
+                st = _Stpipe(args, dev)
+                log(f"stpipe tables ready in {st.setup_s:.1f} s")
+            depth = 0 if m == "stpipe_depth0" else 1
+            delay = args.prefetch_delay_ms / 1e3 if m == "stpipe_depth1_delay" else 0.0
+            pipe = st.Pipeline({"in": st.e_in, "out": st.e_out}, optimizer=st.opt, depth=depth,
+                               ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
+                               prefetch_delay=delay)
+            closers.append(pipe.close)
+
+            def run_block(bs, pipe=pipe):
+                e_in, e_out, opt = st.e_in, st.e_out, st.opt
+                t0 = t1 = None
+                for step in pipe.run(bs):
+                    if step.index == INTERLEAVE_SKIP:
+                        sync(dev)
+                        t0 = time.perf_counter()
+                    with step:
+                        pos, neg = step.ids["out"]
+                        loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                    if step.index == len(bs) - 1:
+                        sync(dev)
+                        t1 = time.perf_counter()
+                return t1 - t0
+            runs[m] = run_block
+    n = len(batches)
+    per = block + INTERLEAVE_SKIP
+    rounds = max(1, -(-args.steps // block))
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    try:
+        for m in methods:  # warm-up: one block each
+            runs[m]([batches[i % n] for i in range(max(per, args.warmup))])
+        for r in range(rounds):
+            order = methods if r % 2 == 0 else methods[::-1]
+            bs = [batches[(r * per + i) % n] for i in range(per)]
+            for m in order:
+                times[m].append(runs[m](bs) / block)
+    finally:
+        for close in closers:
+            close()
+    out: Dict[str, Any] = {}
+    base = times.get("gpu_sparse_adam")
+    for m in methods:
+        ms = [1e3 * t for t in times[m]]
+        med = statistics.median(ms)
+        row: Dict[str, Any] = {"steps": rounds * block, "ms_per_step": med, "steps_per_s": 1e3 / med,
+                               "blocks_ms_per_step": [round(x, 4) for x in ms], "interleave": block}
+        if base is not None and m != "gpu_sparse_adam":
+            ratios = [b / t for b, t in zip(base, times[m])]
+            row["ratio_to_ceiling"] = statistics.median(ratios)
+            row["blocks_ratio_to_ceiling"] = [round(x, 4) for x in ratios]
+            row["blocks_faster_than_ceiling"] = sum(x >= 1.0 for x in ratios)
+        row.update(gpu_mem(dev), host_rss_gb=rss_gb())
+        out[m] = row
+    return out
+
+
 def _profiled(fn, out_dir):
     """``fn`` run with a cProfile started in its thread (on Python 3.12 the table also
     held other threads' calls); on return the tables go to
@@ -609,6 +725,10 @@ def main(argv=None) -> int:
     ap.add_argument("--uva-blocks-per-sm", type=int, default=None,
                     help="experiment: cap the UVA row kernels' grid at this many blocks per "
                          "multiprocessor (default: stpipe's, 32)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="N",
+                    help="run the methods (" + ", ".join(INTERLEAVE_METHODS) + ") in one process, "
+                         "in turn, in blocks of N timed steps, until each timed --steps; ratios are "
+                         "medians of per-block ratios (default 0: off)")
     ap.add_argument("--prefetch-delay-ms", type=float, default=0.5,
                     help="method stpipe_depth1_delay: Pipeline(prefetch_delay=) in ms (default 0.5)")
     args = ap.parse_args(argv)
@@ -616,6 +736,10 @@ def main(argv=None) -> int:
         ap.error(f"--rounds: expected >= 1, got {args.rounds}")
     if args.rounds > 1 and not args.isolate:
         ap.error("--rounds > 1 needs --isolate (each round's methods in fresh processes)")
+    if args.interleave < 0:
+        ap.error(f"--interleave: expected N >= 0, got {args.interleave}")
+    if args.interleave and args.isolate:
+        ap.error("--interleave runs every method in one process; it cannot be combined with --isolate")
     if args.quick:
         args.rows = min(args.rows, 100_000)
         args.steps = min(args.steps, 20)
@@ -664,7 +788,13 @@ def main(argv=None) -> int:
                 log(f"  {name:<24}" + "  ".join(
                     f"{ms:.3f}" + (f" ({ratios[i]:.2f})" if ratios and i < len(ratios) else "")
                     for i, ms in enumerate(r["rounds_ms_per_step"])))
-    for m in ([] if args.isolate else methods):
+    if args.interleave:
+        log(f"== interleaved blocks of {args.interleave} timed steps: {','.join(methods)}")
+        results = run_interleaved(args, dev, batches, methods, log)
+        info["interleave"] = args.interleave
+        for name, r in results.items():
+            log(f"  {name:<24}" + " ".join(f"{x:.3f}" for x in r["blocks_ms_per_step"]))
+    for m in ([] if args.isolate or args.interleave else methods):
         reset_gpu(dev)
         log(f"-- {m}")
         try:

@@ -171,3 +171,45 @@ def test_timed_drain_covers_the_wait_after_the_last_step(ts):
     assert 50.0 <= res["drain_ms"] <= res["seconds"] * 1e3
     quick = ts.timed(torch.device("cpu"), 1, list(range(4)), lambda b: torch.tensor(float(b)))
     assert 0.0 <= quick["drain_ms"] < 50.0
+
+
+def test_interleave_times_paired_blocks(ts, tmp_path):
+    """``--interleave N``: every method times ceil(steps / N) blocks of N steps in one
+    process, and a ratio is the median of the per-block ratios (not a ratio of medians)."""
+    import json
+    import statistics
+
+    assert ts.main(["--quick", "--interleave", "5", "--methods", "gpu_sparse_adam,stpipe_depth1,stpipe_depth0",
+                    "--out", str(tmp_path)]) == 0
+    res = json.load(open(tmp_path / "train_skipgram.json"))
+    assert res["info"]["interleave"] == 5
+    rows = res["results"]
+    assert list(rows) == ["gpu_sparse_adam", "stpipe_depth1", "stpipe_depth0"]
+    base = rows["gpu_sparse_adam"]["blocks_ms_per_step"]
+    assert len(base) == 4  # --quick: 20 timed steps
+    for name in ("stpipe_depth1", "stpipe_depth0"):
+        r = rows[name]
+        assert r["steps"] == 20 and r["interleave"] == 5 and len(r["blocks_ms_per_step"]) == 4
+        ratios = [b / t for b, t in zip(base, r["blocks_ms_per_step"])]
+        assert r["blocks_ratio_to_ceiling"] == pytest.approx(ratios, rel=1e-3)
+        assert r["ratio_to_ceiling"] == pytest.approx(statistics.median(ratios), rel=1e-3)
+        assert r["blocks_faster_than_ceiling"] == sum(x >= 1.0 for x in ratios)
+        assert r["ms_per_step"] == pytest.approx(statistics.median(r["blocks_ms_per_step"]), rel=1e-3)
+    assert rows["gpu_sparse_adam"]["ratio_to_ceiling"] == pytest.approx(1.0)
+    assert "blocks_ratio_to_ceiling" not in rows["gpu_sparse_adam"]
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["--interleave", "-1"], 2),
+    (["--interleave", "5", "--isolate"], 2),
+])
+def test_interleave_bad_arguments(ts, argv, code):
+    with pytest.raises(SystemExit) as exc:
+        ts.main(["--quick", *argv])
+    assert exc.value.code == code
+
+
+def test_interleave_rejects_methods_it_cannot_run(ts, tmp_path):
+    with pytest.raises(SystemExit, match="--interleave runs gpu_sparse_adam, .*; got speedtorch_adam"):
+        ts.main(["--quick", "--interleave", "5", "--methods", "gpu_sparse_adam,speedtorch_adam",
+                 "--out", str(tmp_path)])
