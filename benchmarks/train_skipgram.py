@@ -61,8 +61,11 @@ other round, every method on the same batches in a round, until each has timed `
 steps; a ratio to the ceiling is the median of the per-round ratios. On the shared H200
 hosts one configuration's speed moved by up to 30% within seconds (RESULTS.md,
 2026-12-04), so blocks a fraction of a second apart compare the methods on the same
-machine state. It runs ``gpu_sparse_adam`` and the stpipe rows (``stpipe_depth0``,
-``stpipe_depth1``, ``stpipe_depth1_delay``); its rows report no CPU times.
+machine state. It runs ``gpu_sparse_adam``, the SpeedTorch and compat rows and the stpipe
+rows ``stpipe_depth0``, ``stpipe_depth1`` and ``stpipe_depth1_delay`` (their ratios to
+SpeedTorch are medians of per-block ratios too); its rows report no CPU times. Every
+method's tables are in memory at once: at 10M rows each pinned-table method holds about
+31 GB of host memory and the ceiling 31 GB of GPU memory.
 
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``), and
@@ -279,6 +282,29 @@ def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False)
     batch size, ``ModelFactory`` switchers (and ``OptimizerFactory`` ones for Adam) around
     the step. ``compat=True`` runs the very same code through ``stpipe.compat.speedtorch``
     (the one-line import change), with no fix applied to it."""
+    step = _speedtorch_step(args, dev, adam, compat)
+    if isinstance(step, dict):
+        return step  # skipped
+    nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
+    res = timed(dev, args.warmup, nb, step)
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note=_speedtorch_note(adam, compat))
+    return res
+
+
+def _speedtorch_note(adam: bool, compat: bool) -> str:
+    if compat:
+        return (f"stpipe.compat.speedtorch, SpeedTorch's code unchanged, {'Adam' if adam else 'SGD'}: "
+                "duplicate ids deduplicated (summed gradients, one write-back)")
+    if adam:
+        return ("SpeedTorch 0.1.6 ModelFactory + OptimizerFactory (CPUPinn=True), Adam lr 1e-3; its int "
+                "'step' state replaced by a tensor (the one change); no dedup")
+    return ("SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: no optimizer state moves "
+            "(lighter workload); no dedup")
+
+
+def _speedtorch_step(args, dev, adam: bool, compat: bool):
+    """The SpeedTorch-pattern model, switchers and step function (a batch of numpy ids in,
+    the loss out), or ``{"skipped": why}`` when SpeedTorch cannot run here."""
     if compat:
         import stpipe.compat.speedtorch as SpeedTorch  # noqa: N813
     else:
@@ -319,7 +345,6 @@ def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False)
     pos_d, neg_d = v_sw.variableTransformer(BATCH, POS, NEG)
     pos_d, neg_d = torch.as_tensor(pos_d, device=dev).long(), torch.as_tensor(neg_d, device=dev).long()
     u_d = torch.arange(BATCH, device=dev)
-    nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
 
     def step(b):
         for s in u_sws:
@@ -336,18 +361,7 @@ def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False)
             s.afterOptimizerStep(b["pos"], b["neg"])
         return loss
 
-    res = timed(dev, args.warmup, nb, step)
-    if compat:
-        note = (f"stpipe.compat.speedtorch, SpeedTorch's code unchanged, {'Adam' if adam else 'SGD'}: "
-                "duplicate ids deduplicated (summed gradients, one write-back)")
-    elif adam:
-        note = ("SpeedTorch 0.1.6 ModelFactory + OptimizerFactory (CPUPinn=True), Adam lr 1e-3; its int "
-                "'step' state replaced by a tensor (the one change); no dedup")
-    else:
-        note = ("SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: no optimizer state moves "
-                "(lighter workload); no dedup")
-    res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note=note)
-    return res
+    return step
 
 
 def run_compute_only(args, dev, batches, fused=False):
@@ -468,7 +482,8 @@ class _Stpipe:
 
 
 #: methods ``--interleave`` can run (tables of all of them live in one process)
-INTERLEAVE_METHODS = ("gpu_sparse_adam", "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
+INTERLEAVE_METHODS = ("gpu_sparse_adam", "speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam",
+                      "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
 #: steps at the start of each interleaved block that are not timed (a stpipe block starts
 #: a new ``Pipeline.run``: its prefetch thread starts and its first gather is not overlapped)
 INTERLEAVE_SKIP = 5
@@ -481,21 +496,42 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
     until each method has timed ``--steps`` steps. Machine speed moves by up to 30% within
     seconds on the shared H200 hosts (RESULTS.md, 2026-12-04 17:34); blocks next to each
     other see the same machine, so a method's ratio to the ceiling is the median of its
-    per-round ratios. Each block is timed between two device synchronisations."""
+    per-round ratios (likewise to SpeedTorch's rows for the stpipe and compat rows). Each
+    block is timed between two device synchronisations. A SpeedTorch row that cannot run
+    here is reported as skipped and left out of the rounds."""
     bad = [m for m in methods if m not in INTERLEAVE_METHODS]
     if bad:
         raise SystemExit(f"--interleave runs {', '.join(INTERLEAVE_METHODS)}; got {', '.join(bad)}")
     block = args.interleave
     runs: Dict[str, Callable[[List[Any]], float]] = {}
     closers = []
+    skipped: Dict[str, Any] = {}
     st = None
+    index = {id(b): i for i, b in enumerate(batches)}
     for m in methods:
-        if m == "gpu_sparse_adam":
+        if m.startswith(("speedtorch", "compat")):
+            step = _speedtorch_step(args, dev, adam=m.endswith("adam"), compat=m.startswith("compat"))
+            if isinstance(step, dict):
+                skipped[m] = step
+                log(f"   {m}: {step['skipped']}")
+                continue
+            nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
+
+            def run_block(bs, step=step, nb=nb):
+                t0 = None
+                for i, b in enumerate(bs):
+                    if i == INTERLEAVE_SKIP:
+                        sync(dev)
+                        t0 = time.perf_counter()
+                    step(nb[index[id(b)]])
+                sync(dev)
+                return time.perf_counter() - t0
+            runs[m] = run_block
+        elif m == "gpu_sparse_adam":
             step = _ceiling_step(args, dev)
             dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
-            index = {id(b): i for i, b in enumerate(batches)}
 
-            def run_block(bs, step=step, dbatches=dbatches, index=index):
+            def run_block(bs, step=step, dbatches=dbatches):
                 t0 = None
                 for i, b in enumerate(bs):
                     if i == INTERLEAVE_SKIP:
@@ -534,6 +570,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
                         t1 = time.perf_counter()
                 return t1 - t0
             runs[m] = run_block
+    methods = [m for m in methods if m in runs]
     n = len(batches)
     per = block + INTERLEAVE_SKIP
     rounds = max(1, -(-args.steps // block))
@@ -550,19 +587,26 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
         for close in closers:
             close()
     out: Dict[str, Any] = {}
-    base = times.get("gpu_sparse_adam")
+    bases = {"ceiling": "gpu_sparse_adam", "speedtorch_adam": "speedtorch_adam",
+             "speedtorch_sgd": "speedtorch_sgd"}
     for m in methods:
         ms = [1e3 * t for t in times[m]]
         med = statistics.median(ms)
         row: Dict[str, Any] = {"steps": rounds * block, "ms_per_step": med, "steps_per_s": 1e3 / med,
                                "blocks_ms_per_step": [round(x, 4) for x in ms], "interleave": block}
-        if base is not None and m != "gpu_sparse_adam":
-            ratios = [b / t for b, t in zip(base, times[m])]
-            row["ratio_to_ceiling"] = statistics.median(ratios)
-            row["blocks_ratio_to_ceiling"] = [round(x, 4) for x in ratios]
-            row["blocks_faster_than_ceiling"] = sum(x >= 1.0 for x in ratios)
+        for label, base in bases.items():
+            if base not in times or m == base or (label != "ceiling" and not m.startswith(("stpipe", "compat"))):
+                continue
+            ratios = [b / t for b, t in zip(times[base], times[m])]
+            key = "ratio_to_ceiling" if label == "ceiling" else f"ratio_to_{base}"
+            row[key] = statistics.median(ratios)
+            row[f"blocks_{key}"] = [round(x, 4) for x in ratios]
+            row[f"blocks_faster_than_{label}"] = sum(x >= 1.0 for x in ratios)
+        if m.startswith(("speedtorch", "compat")):
+            row["note"] = _speedtorch_note(m.endswith("adam"), m.startswith("compat"))
         row.update(gpu_mem(dev), host_rss_gb=rss_gb())
         out[m] = row
+    out.update(skipped)
     return out
 
 
@@ -793,7 +837,8 @@ def main(argv=None) -> int:
         results = run_interleaved(args, dev, batches, methods, log)
         info["interleave"] = args.interleave
         for name, r in results.items():
-            log(f"  {name:<24}" + " ".join(f"{x:.3f}" for x in r["blocks_ms_per_step"]))
+            if "blocks_ms_per_step" in r:
+                log(f"  {name:<24}" + " ".join(f"{x:.3f}" for x in r["blocks_ms_per_step"]))
     for m in ([] if args.isolate or args.interleave else methods):
         reset_gpu(dev)
         log(f"-- {m}")

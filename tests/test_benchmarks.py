@@ -210,6 +210,47 @@ def test_interleave_bad_arguments(ts, argv, code):
 
 
 def test_interleave_rejects_methods_it_cannot_run(ts, tmp_path):
-    with pytest.raises(SystemExit, match="--interleave runs gpu_sparse_adam, .*; got speedtorch_adam"):
-        ts.main(["--quick", "--interleave", "5", "--methods", "gpu_sparse_adam,speedtorch_adam",
+    with pytest.raises(SystemExit, match="--interleave runs gpu_sparse_adam, .*; got naive_host, profile"):
+        ts.main(["--quick", "--interleave", "5", "--methods", "gpu_sparse_adam,naive_host,profile",
                  "--out", str(tmp_path)])
+
+
+def test_interleave_ratios_to_speedtorch_are_per_block(ts, tmp_path, monkeypatch):
+    """The SpeedTorch rows take part in the rounds; the compat and stpipe rows get their
+    ratio to SpeedTorch as the median of per-block ratios. SpeedTorch itself is not
+    installed here, so its row runs the compat layer's code under SpeedTorch's name."""
+    import json
+    import statistics
+
+    real = ts._speedtorch_step
+    made = []
+
+    def fake(args, dev, adam, compat):
+        made.append((adam, compat))
+        return real(args, dev, adam, True)
+    monkeypatch.setattr(ts, "_speedtorch_step", fake)
+    assert ts.main(["--quick", "--interleave", "10", "--methods", "speedtorch_adam,compat_adam,stpipe_depth0",
+                    "--out", str(tmp_path)]) == 0
+    assert made == [(True, False), (True, True)]
+    rows = json.load(open(tmp_path / "train_skipgram.json"))["results"]
+    base = rows["speedtorch_adam"]["blocks_ms_per_step"]
+    assert len(base) == 2
+    assert "ratio_to_speedtorch_adam" not in rows["speedtorch_adam"]
+    assert "ratio_to_ceiling" not in rows["compat_adam"]  # no ceiling ran
+    for name in ("compat_adam", "stpipe_depth0"):
+        ratios = [b / t for b, t in zip(base, rows[name]["blocks_ms_per_step"])]
+        assert rows[name]["ratio_to_speedtorch_adam"] == pytest.approx(statistics.median(ratios), rel=1e-3)
+        assert rows[name]["blocks_faster_than_speedtorch_adam"] == sum(x >= 1.0 for x in ratios)
+    assert rows["compat_adam"]["note"].startswith("stpipe.compat.speedtorch")
+
+
+def test_interleave_reports_a_speedtorch_that_cannot_run(ts, tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(ts, "_speedtorch_step", lambda args, dev, adam, compat: {"skipped": "no SpeedTorch"})
+    assert ts.main(["--quick", "--interleave", "10", "--methods", "speedtorch_sgd,stpipe_depth0",
+                    "--out", str(tmp_path)]) == 0
+    rows = json.load(open(tmp_path / "train_skipgram.json"))["results"]
+    assert rows["speedtorch_sgd"] == {"skipped": "no SpeedTorch"}
+    assert len(rows["stpipe_depth0"]["blocks_ms_per_step"]) == 2
+    assert "ratio_to_speedtorch_sgd" not in rows["stpipe_depth0"]
