@@ -415,6 +415,25 @@ class _Stpipe:
                                     **({"fused": True} if fused else {}))
         self.setup_s = time.perf_counter() - t0
 
+    def pipeline(self, depth, profile=False, prefetch_delay=0.0):
+        """A pipeline over the two tables (``step.ids``: ``in`` the centres, ``out`` the
+        positives and negatives)."""
+        return self.Pipeline(
+            {"in": self.e_in, "out": self.e_out}, optimizer=self.opt, depth=depth, profile=profile,
+            ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
+            prefetch_delay=prefetch_delay,
+        )
+
+    def train(self, step):
+        """The user's step inside ``with step`` (returns the loss)."""
+        with step:
+            pos, neg = step.ids["out"]
+            loss = sgns_loss(self.e_in(step.ids["in"]), self.e_out(pos), self.e_out(neg))
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        return loss
+
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
             trace_prefetch=None, to_device=True, prefetch_delay=0.0):
         """``trace``: a directory; profile the timed steps with torch.profiler and
@@ -422,13 +441,9 @@ class _Stpipe:
         directory; run the prefetch thread under cProfile (all its steps, warm-up
         included) and write its tables there. ``to_device``: passed to
         ``Pipeline.run`` (False: only the planned ids move, not the batch's tensors)."""
-        e_in, e_out, opt = self.e_in, self.e_out, self.opt
+        e_in, e_out = self.e_in, self.e_out
         tracer = None
-        pipe = self.Pipeline(
-            {"in": e_in, "out": e_out}, optimizer=opt, depth=depth, profile=profile,
-            ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
-            prefetch_delay=prefetch_delay,
-        )
+        pipe = self.pipeline(depth, profile=profile, prefetch_delay=prefetch_delay)
         if trace_prefetch:
             pipe._producer = _profiled(pipe._producer, trace_prefetch)
         losses, t0 = [], None
@@ -440,12 +455,7 @@ class _Stpipe:
                     c0, p0 = time.thread_time(), pipe.prefetch_cpu_s
                     if trace:
                         tracer = _Tracer(dev, ops=trace_ops)
-                with step:
-                    pos, neg = step.ids["out"]
-                    loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
+                loss = self.train(step)
                 if step.index == len(batches) - 1:
                     t_cpu = time.perf_counter()
                 if step.index in (0, len(batches) - 1):
@@ -508,6 +518,20 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
     skipped: Dict[str, Any] = {}
     st = None
     index = {id(b): i for i, b in enumerate(batches)}
+
+    def serial(step, prepared):
+        """A block of a serial loop: ``step`` over ``prepared`` (each batch as it takes it)."""
+        def run_block(bs):
+            t0 = None
+            for i, b in enumerate(bs):
+                if i == INTERLEAVE_SKIP:
+                    sync(dev)
+                    t0 = time.perf_counter()
+                step(prepared[index[id(b)]])
+            sync(dev)
+            return time.perf_counter() - t0
+        return run_block
+
     for m in methods:
         if m.startswith(("speedtorch", "compat")):
             step = _speedtorch_step(args, dev, adam=m.endswith("adam"), compat=m.startswith("compat"))
@@ -515,56 +539,25 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
                 skipped[m] = step
                 log(f"   {m}: {step['skipped']}")
                 continue
-            nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
-
-            def run_block(bs, step=step, nb=nb):
-                t0 = None
-                for i, b in enumerate(bs):
-                    if i == INTERLEAVE_SKIP:
-                        sync(dev)
-                        t0 = time.perf_counter()
-                    step(nb[index[id(b)]])
-                sync(dev)
-                return time.perf_counter() - t0
-            runs[m] = run_block
+            runs[m] = serial(step, [{k: v.numpy() for k, v in b.items()} for b in batches])
         elif m == "gpu_sparse_adam":
-            step = _ceiling_step(args, dev)
-            dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
-
-            def run_block(bs, step=step, dbatches=dbatches):
-                t0 = None
-                for i, b in enumerate(bs):
-                    if i == INTERLEAVE_SKIP:
-                        sync(dev)
-                        t0 = time.perf_counter()
-                    step(dbatches[index[id(b)]])
-                sync(dev)
-                return time.perf_counter() - t0
-            runs[m] = run_block
+            runs[m] = serial(_ceiling_step(args, dev), [{k: v.to(dev) for k, v in b.items()} for b in batches])
         else:
             if st is None:
                 st = _Stpipe(args, dev)
                 log(f"stpipe tables ready in {st.setup_s:.1f} s")
             depth = 0 if m == "stpipe_depth0" else 1
             delay = args.prefetch_delay_ms / 1e3 if m == "stpipe_depth1_delay" else 0.0
-            pipe = st.Pipeline({"in": st.e_in, "out": st.e_out}, optimizer=st.opt, depth=depth,
-                               ids=lambda b: {"in": b["centre"], "out": (b["pos"], b["neg"])},
-                               prefetch_delay=delay)
+            pipe = st.pipeline(depth, prefetch_delay=delay)
             closers.append(pipe.close)
 
             def run_block(bs, pipe=pipe):
-                e_in, e_out, opt = st.e_in, st.e_out, st.opt
                 t0 = t1 = None
                 for step in pipe.run(bs):
                     if step.index == INTERLEAVE_SKIP:
                         sync(dev)
                         t0 = time.perf_counter()
-                    with step:
-                        pos, neg = step.ids["out"]
-                        loss = sgns_loss(e_in(step.ids["in"]), e_out(pos), e_out(neg))
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
+                    st.train(step)
                     if step.index == len(bs) - 1:
                         sync(dev)
                         t1 = time.perf_counter()
