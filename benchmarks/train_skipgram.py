@@ -491,6 +491,16 @@ class _Stpipe:
         return res
 
 
+def _baselines(name: str):
+    """``(key, base)`` for each row ``name`` gets a ratio to: every row to the ceiling
+    (``ratio_to_ceiling``), the stpipe and compat rows also to SpeedTorch's
+    (``ratio_to_speedtorch_adam`` / ``_sgd``); never a row to itself."""
+    for base in ("gpu_sparse_adam", "speedtorch_adam", "speedtorch_sgd"):
+        if name == base or (base != "gpu_sparse_adam" and not name.startswith(("stpipe", "compat"))):
+            continue
+        yield ("ratio_to_ceiling" if base == "gpu_sparse_adam" else f"ratio_to_{base}"), base
+
+
 #: methods ``--interleave`` can run (tables of all of them live in one process)
 INTERLEAVE_METHODS = ("gpu_sparse_adam", "speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam",
                       "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
@@ -513,21 +523,21 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
     if bad:
         raise SystemExit(f"--interleave runs {', '.join(INTERLEAVE_METHODS)}; got {', '.join(bad)}")
     block = args.interleave
-    runs: Dict[str, Callable[[List[Any]], float]] = {}
+    runs: Dict[str, Callable[[List[int]], float]] = {}
     closers = []
     skipped: Dict[str, Any] = {}
     st = None
-    index = {id(b): i for i, b in enumerate(batches)}
 
     def serial(step, prepared):
-        """A block of a serial loop: ``step`` over ``prepared`` (each batch as it takes it)."""
-        def run_block(bs):
+        """A block of a serial loop: ``step`` over the batches ``idx`` of ``prepared``
+        (``batches`` as this method takes them)."""
+        def run_block(idx):
             t0 = None
-            for i, b in enumerate(bs):
+            for i, j in enumerate(idx):
                 if i == INTERLEAVE_SKIP:
                     sync(dev)
                     t0 = time.perf_counter()
-                step(prepared[index[id(b)]])
+                step(prepared[j])
             sync(dev)
             return time.perf_counter() - t0
         return run_block
@@ -551,14 +561,14 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             pipe = st.pipeline(depth, prefetch_delay=delay)
             closers.append(pipe.close)
 
-            def run_block(bs, pipe=pipe):
+            def run_block(idx, pipe=pipe):
                 t0 = t1 = None
-                for step in pipe.run(bs):
+                for step in pipe.run([batches[j] for j in idx]):
                     if step.index == INTERLEAVE_SKIP:
                         sync(dev)
                         t0 = time.perf_counter()
                     st.train(step)
-                    if step.index == len(bs) - 1:
+                    if step.index == len(idx) - 1:
                         sync(dev)
                         t1 = time.perf_counter()
                 return t1 - t0
@@ -570,31 +580,28 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
     times: Dict[str, List[float]] = {m: [] for m in methods}
     try:
         for m in methods:  # warm-up: one block each
-            runs[m]([batches[i % n] for i in range(max(per, args.warmup))])
+            runs[m]([i % n for i in range(max(per, args.warmup))])
         for r in range(rounds):
             order = methods if r % 2 == 0 else methods[::-1]
-            bs = [batches[(r * per + i) % n] for i in range(per)]
+            idx = [(r * per + i) % n for i in range(per)]
             for m in order:
-                times[m].append(runs[m](bs) / block)
+                times[m].append(runs[m](idx) / block)
     finally:
         for close in closers:
             close()
     out: Dict[str, Any] = {}
-    bases = {"ceiling": "gpu_sparse_adam", "speedtorch_adam": "speedtorch_adam",
-             "speedtorch_sgd": "speedtorch_sgd"}
     for m in methods:
         ms = [1e3 * t for t in times[m]]
         med = statistics.median(ms)
         row: Dict[str, Any] = {"steps": rounds * block, "ms_per_step": med, "steps_per_s": 1e3 / med,
                                "blocks_ms_per_step": [round(x, 4) for x in ms], "interleave": block}
-        for label, base in bases.items():
-            if base not in times or m == base or (label != "ceiling" and not m.startswith(("stpipe", "compat"))):
+        for key, base in _baselines(m):
+            if base not in times:
                 continue
             ratios = [b / t for b, t in zip(times[base], times[m])]
-            key = "ratio_to_ceiling" if label == "ceiling" else f"ratio_to_{base}"
             row[key] = statistics.median(ratios)
             row[f"blocks_{key}"] = [round(x, 4) for x in ratios]
-            row[f"blocks_faster_than_{label}"] = sum(x >= 1.0 for x in ratios)
+            row[f"blocks_faster_than_{key[len('ratio_to_'):]}"] = sum(x >= 1.0 for x in ratios)
         if m.startswith(("speedtorch", "compat")):
             row["note"] = _speedtorch_note(m.endswith("adam"), m.startswith("compat"))
         row.update(gpu_mem(dev), host_rss_gb=rss_gb())
@@ -675,8 +682,6 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
     names: List[str] = []
     for res in rounds:
         names += [n for n in res if n not in names]
-    bases = {"ceiling": "gpu_sparse_adam", "speedtorch_adam": "speedtorch_adam",
-             "speedtorch_sgd": "speedtorch_sgd"}
     out: Dict[str, Any] = {}
     for name in names:
         rows = [res[name] for res in rounds if "steps_per_s" in res.get(name, {})]
@@ -691,13 +696,10 @@ def _combine_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
         row["steps_per_s"] = 1e3 / row["ms_per_step"]  # consistent with the median time
         row["rounds"] = len(rows)
         row["rounds_ms_per_step"] = [r["ms_per_step"] for r in rows]
-        for label, base in bases.items():
-            if name == base or (label != "ceiling" and not name.startswith(("stpipe", "compat"))):
-                continue
+        for key, base in _baselines(name):
             ratios = [res[name]["steps_per_s"] / res[base]["steps_per_s"] for res in rounds
                       if "steps_per_s" in res.get(name, {}) and res.get(base, {}).get("steps_per_s")]
             if ratios:
-                key = "ratio_to_ceiling" if label == "ceiling" else f"ratio_to_{base}"
                 row[key] = statistics.median(ratios)
                 row[f"rounds_{key}"] = ratios
         out[name] = row
