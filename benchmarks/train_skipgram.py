@@ -61,8 +61,8 @@ other round, every method on the same batches in a round, until each has timed `
 steps; a ratio to the ceiling is the median of the per-round ratios. On the shared H200
 hosts one configuration's speed moved by up to 30% within seconds (RESULTS.md,
 2026-12-04), so blocks a fraction of a second apart compare the methods on the same
-machine state. It runs ``gpu_sparse_adam``, the SpeedTorch and compat rows and the stpipe
-rows ``stpipe_depth0``, ``stpipe_depth1`` and ``stpipe_depth1_delay`` (their ratios to
+machine state. It runs ``gpu_sparse_adam``, ``compute_only``, the SpeedTorch and compat rows
+and the stpipe rows ``stpipe_depth0``, ``stpipe_depth1`` and ``stpipe_depth1_delay`` (their ratios to
 SpeedTorch are medians of per-block ratios too); its rows report no CPU times. Every
 method's tables are in memory at once: at 10M rows each pinned-table method holds about
 31 GB of host memory and the ceiling 31 GB of GPU memory.
@@ -364,10 +364,9 @@ def _speedtorch_step(args, dev, adam: bool, compat: bool):
     return step
 
 
-def run_compute_only(args, dev, batches, fused=False):
-    """The lower bound of any working-rows design: the user's step (forward, backward,
-    dense Adam) on GPU-resident working rows of each step's size, no tables, no transfers.
-    Each step's plan (unique rows and inverse) is precomputed on the device."""
+def _compute_only_step(args, dev, batches, fused=False):
+    """The compute-only step function and its per-batch work items (see
+    :func:`run_compute_only`)."""
     from stpipe.planner import plan as _plan
 
     work = []
@@ -392,6 +391,14 @@ def run_compute_only(args, dev, batches, fused=False):
         opt.zero_grad()
         return loss
 
+    return step, work
+
+
+def run_compute_only(args, dev, batches, fused=False):
+    """The lower bound of any working-rows design: the user's step (forward, backward,
+    dense Adam) on GPU-resident working rows of each step's size, no tables, no transfers.
+    Each step's plan (unique rows and inverse) is precomputed on the device."""
+    step, work = _compute_only_step(args, dev, batches, fused)
     res = timed(dev, args.warmup, work, step)
     res.update(gpu_mem(dev), host_rss_gb=rss_gb(),
                note="lower bound: user step on fixed GPU working rows (max k per table), dense Adam")
@@ -502,8 +509,8 @@ def _baselines(name: str):
 
 
 #: methods ``--interleave`` can run (tables of all of them live in one process)
-INTERLEAVE_METHODS = ("gpu_sparse_adam", "speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam",
-                      "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
+INTERLEAVE_METHODS = ("gpu_sparse_adam", "compute_only", "speedtorch_sgd", "speedtorch_adam", "compat_sgd",
+                      "compat_adam", "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
 #: steps at the start of each interleaved block that are not timed (a stpipe block starts
 #: a new ``Pipeline.run``: its prefetch thread starts and its first gather is not overlapped)
 INTERLEAVE_SKIP = 5
@@ -552,6 +559,8 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             runs[m] = serial(step, [{k: v.numpy() for k, v in b.items()} for b in batches])
         elif m == "gpu_sparse_adam":
             runs[m] = serial(_ceiling_step(args, dev), [{k: v.to(dev) for k, v in b.items()} for b in batches])
+        elif m == "compute_only":
+            runs[m] = serial(*_compute_only_step(args, dev, batches))
         else:
             if st is None:
                 st = _Stpipe(args, dev)

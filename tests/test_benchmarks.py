@@ -179,15 +179,15 @@ def test_interleave_times_paired_blocks(ts, tmp_path):
     import json
     import statistics
 
-    assert ts.main(["--quick", "--interleave", "5", "--methods", "gpu_sparse_adam,stpipe_depth1,stpipe_depth0",
-                    "--out", str(tmp_path)]) == 0
+    assert ts.main(["--quick", "--interleave", "5", "--methods",
+                    "gpu_sparse_adam,stpipe_depth1,stpipe_depth0,compute_only", "--out", str(tmp_path)]) == 0
     res = json.load(open(tmp_path / "train_skipgram.json"))
     assert res["info"]["interleave"] == 5
     rows = res["results"]
-    assert list(rows) == ["gpu_sparse_adam", "stpipe_depth1", "stpipe_depth0"]
+    assert list(rows) == ["gpu_sparse_adam", "stpipe_depth1", "stpipe_depth0", "compute_only"]
     base = rows["gpu_sparse_adam"]["blocks_ms_per_step"]
     assert len(base) == 4  # --quick: 20 timed steps
-    for name in ("stpipe_depth1", "stpipe_depth0"):
+    for name in ("stpipe_depth1", "stpipe_depth0", "compute_only"):
         r = rows[name]
         assert r["steps"] == 20 and r["interleave"] == 5 and len(r["blocks_ms_per_step"]) == 4
         ratios = [b / t for b, t in zip(base, r["blocks_ms_per_step"])]
