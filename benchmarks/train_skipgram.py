@@ -396,8 +396,9 @@ def _compute_only_step(args, dev, batches, fused=False):
 
 def run_compute_only(args, dev, batches, fused=False):
     """The lower bound of any working-rows design: the user's step (forward, backward,
-    dense Adam) on GPU-resident working rows of each step's size, no tables, no transfers.
-    Each step's plan (unique rows and inverse) is precomputed on the device."""
+    dense Adam) on GPU-resident working rows, no tables, no transfers. The working rows
+    are fixed: as many per table as the largest batch's unique ids (dense Adam steps all
+    of them). Each step's plan (the inverse) is precomputed on the device."""
     step, work = _compute_only_step(args, dev, batches, fused)
     res = timed(dev, args.warmup, work, step)
     res.update(gpu_mem(dev), host_rss_gb=rss_gb(),
