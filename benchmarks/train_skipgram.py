@@ -171,6 +171,16 @@ def make_batches(rows: int, n: int, seed: int = 0) -> List[Dict[str, torch.Tenso
     return [{"centre": zipf((BATCH,)), "pos": zipf((BATCH, POS)), "neg": zipf((BATCH, NEG))} for _ in range(n)]
 
 
+def numpy_batches(batches: List[Dict[str, torch.Tensor]]) -> List[Dict[str, np.ndarray]]:
+    """The batches as SpeedTorch code takes them (numpy ids): the SpeedTorch and compat rows."""
+    return [{k: v.numpy() for k, v in b.items()} for b in batches]
+
+
+def device_batches(batches: List[Dict[str, torch.Tensor]], dev: torch.device) -> List[Dict[str, torch.Tensor]]:
+    """The batches already on ``dev``: the ceiling's input (its tables live there)."""
+    return [{k: v.to(dev) for k, v in b.items()} for b in batches]
+
+
 def sgns_loss(u: torch.Tensor, vp: torch.Tensor, vn: torch.Tensor) -> torch.Tensor:
     """u (B, d), vp (B, P, d), vn (B, N, d): negative-sampling loss, mean over the batch."""
     sp = torch.einsum("bd,bpd->bp", u, vp)
@@ -224,8 +234,7 @@ def _ceiling_step(args, dev):
 
 def run_ceiling(args, dev, batches):
     step = _ceiling_step(args, dev)
-    dbatches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
-    res = timed(dev, args.warmup, dbatches, step)
+    res = timed(dev, args.warmup, device_batches(batches, dev), step)
     res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note="tables + SparseAdam state on the GPU")
     return res
 
@@ -285,8 +294,7 @@ def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False)
     step = _speedtorch_step(args, dev, adam, compat)
     if isinstance(step, dict):
         return step  # skipped
-    nb = [{k: v.numpy() for k, v in b.items()} for b in batches]
-    res = timed(dev, args.warmup, nb, step)
+    res = timed(dev, args.warmup, numpy_batches(batches), step)
     res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note=_speedtorch_note(adam, compat))
     return res
 
@@ -557,9 +565,9 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
                 skipped[m] = step
                 log(f"   {m}: {step['skipped']}")
                 continue
-            runs[m] = serial(step, [{k: v.numpy() for k, v in b.items()} for b in batches])
+            runs[m] = serial(step, numpy_batches(batches))
         elif m == "gpu_sparse_adam":
-            runs[m] = serial(_ceiling_step(args, dev), [{k: v.to(dev) for k, v in b.items()} for b in batches])
+            runs[m] = serial(_ceiling_step(args, dev), device_batches(batches, dev))
         elif m == "compute_only":
             runs[m] = serial(*_compute_only_step(args, dev, batches))
         else:
