@@ -22,10 +22,13 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   through ``stpipe.compat.speedtorch`` (no fix needed there);
 * ``stpipe_depth0``: stpipe, strictly sequential (plan, gather, step, scatter);
 * ``stpipe_depth1``: stpipe with the prefetch thread (batch N+1 planned and gathered while
-  N computes);
+  N computes), as a user gets it: ``Pipeline``'s defaults, ``prefetch_delay="auto"``
+  included (the issue waits 0.3 of the recent step period after its slot frees);
+* ``stpipe_depth1_nodelay`` (on request): the same with ``prefetch_delay=0`` (each batch
+  issued as soon as its slot frees: the default before 2026-12-04);
 * ``stpipe_depth1_delay`` (on request): the same with ``Pipeline(prefetch_delay=...)`` set
   to ``--prefetch-delay-ms`` (default 0.5): the prefetch thread waits that long after a
-  slot frees before issuing the next batch (an experiment);
+  slot frees before issuing the next batch;
 * ``stpipe_depth2`` (on request): two batches prefetched, so the prefetch thread has a
   step of slack before the training thread waits for it;
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
@@ -431,7 +434,7 @@ class _Stpipe:
                                     **({"fused": True} if fused else {}))
         self.setup_s = time.perf_counter() - t0
 
-    def pipeline(self, depth, profile=False, prefetch_delay=0.0):
+    def pipeline(self, depth, profile=False, prefetch_delay="auto"):
         """A pipeline over the two tables (``step.ids``: ``in`` the centres, ``out`` the
         positives and negatives)."""
         return self.Pipeline(
@@ -451,7 +454,7 @@ class _Stpipe:
         return loss
 
     def run(self, args, dev, batches, depth, profile=False, trace=None, trace_ops=True,
-            trace_prefetch=None, to_device=True, prefetch_delay=0.0):
+            trace_prefetch=None, to_device=True, prefetch_delay="auto"):
         """``trace``: a directory; profile the timed steps with torch.profiler and
         cProfile (training thread) and write the tables there. ``trace_prefetch``: a
         directory; run the prefetch thread under cProfile (all its steps, warm-up
@@ -496,7 +499,9 @@ class _Stpipe:
                "drain_ms": 1e3 * (t_drained - t_cpu),
                "loss_first": losses[0], "loss_last": losses[-1], "stats": dict(pipe.stats),
                "backend": getattr(e_in.table, "backend", None), "auto_decisions": decisions,
-               "prefetch_delay_ms": 1e3 * pipe.prefetch_delay}
+               "prefetch_delay": (pipe.prefetch_delay if isinstance(pipe.prefetch_delay, str)
+                                  else f"{1e3 * pipe.prefetch_delay:g} ms"),
+               "waited_ms_per_step": 1e3 * pipe.stats["delayed_s"] / max(1, pipe.stats["steps"])}
         res.update(gpu_mem(dev), host_rss_gb=rss_gb())
         if trace:
             res["trace"] = trace
@@ -519,7 +524,8 @@ def _baselines(name: str):
 
 #: methods ``--interleave`` can run (tables of all of them live in one process)
 INTERLEAVE_METHODS = ("gpu_sparse_adam", "compute_only", "speedtorch_sgd", "speedtorch_adam", "compat_sgd",
-                      "compat_adam", "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_delay")
+                      "compat_adam", "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_nodelay",
+                      "stpipe_depth1_delay")
 #: steps at the start of each interleaved block that are not timed (a stpipe block starts
 #: a new ``Pipeline.run``: its prefetch thread starts and its first gather is not overlapped)
 INTERLEAVE_SKIP = 5
@@ -575,7 +581,8 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
                 st = _Stpipe(args, dev)
                 log(f"stpipe tables ready in {st.setup_s:.1f} s")
             depth = 0 if m == "stpipe_depth0" else 1
-            delay = args.prefetch_delay_ms / 1e3 if m == "stpipe_depth1_delay" else 0.0
+            delay = {"stpipe_depth1_delay": args.prefetch_delay_ms / 1e3,
+                     "stpipe_depth1_nodelay": 0.0}.get(m, "auto")
             pipe = st.pipeline(depth, prefetch_delay=delay)
             closers.append(pipe.close)
 
@@ -882,11 +889,12 @@ def main(argv=None) -> int:
                     st = _Stpipe(args, dev)
                 with mock.patch.dict(os.environ, {"STPIPE_PREFETCH_GATE": "1" if m.endswith("_gate") else "0"}):
                     results[m] = st.run(args, dev, batches, 1)
-            elif m == "stpipe_depth1_delay":
-                # depth 1, each batch issued --prefetch-delay-ms after its slot frees
+            elif m in ("stpipe_depth1_delay", "stpipe_depth1_nodelay"):
+                # depth 1, each batch issued --prefetch-delay-ms (or no time) after its slot frees
                 if st is None:
                     st = _Stpipe(args, dev)
-                results[m] = st.run(args, dev, batches, 1, prefetch_delay=args.prefetch_delay_ms / 1e3)
+                results[m] = st.run(args, dev, batches, 1,
+                                    prefetch_delay=args.prefetch_delay_ms / 1e3 if m.endswith("_delay") else 0.0)
             elif m == "stpipe_depth1_fused":
                 st = None  # free the foreach-Adam tables first (host RAM)
                 gc.collect()

@@ -29,8 +29,12 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    (the training thread waits there without the GIL) instead of during the step's entry
    and forward. Ordering only: no result depends on it. On the H200 it helped at 2M rows
    in one process and slowed the 10M-row skip-gram benchmark (benchmarks/RESULTS.md).
-   With the same aim, ``Pipeline(prefetch_delay=s)`` (also an experiment; default 0)
-   makes it wait ``s`` seconds after the slot it takes was freed.
+   With the same aim, ``Pipeline(prefetch_delay=...)`` makes it wait after the slot it
+   takes was freed (the start of step ``j - d``): by default (``"auto"``, on CUDA) 0.3 of
+   the recent step period, capped so that the issue still ends well before the step does
+   (:func:`_auto_delay`); or a fixed number of seconds; or not at all (``0``). The issue
+   then runs while the step's ``backward()`` waits without the GIL rather than during its
+   entry and forward pass, which need the GIL too. Timing only: no result depends on it.
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pinned upload ring, moves everything
@@ -110,8 +114,9 @@ import queue
 import threading
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -138,6 +143,37 @@ _thread_ids = itertools.count()
 _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                            torch.int16, torch.int8, torch.uint8, torch.bool))
 _POLL = 0.05
+
+#: ``prefetch_delay="auto"``: the issue waits this fraction of the recent step period ...
+_AUTO_FRACTION = 0.3
+#: ... but no longer than leaves the issue this fraction of the period to spare
+_AUTO_SLACK = 0.1
+#: step periods and issue durations the ``"auto"`` delay takes the median of
+_AUTO_HISTORY = 8
+
+
+def _auto_delay(periods: Sequence[float], issues: Sequence[float]) -> float:
+    """Seconds the prefetch thread waits under ``prefetch_delay="auto"``.
+
+    ``periods``: recent times between the training thread's slot frees (one per step);
+    ``issues``: recent durations of the prefetch thread's issue (upload, gather launches,
+    views). With ``P`` and ``I`` their medians: ``min(0.3 P, 0.9 P - I)``, so that a batch
+    issued that late still ends its issue a tenth of a period before the step it overlaps
+    does; 0 without a period yet, or when the issue takes most of a step. Measured on the
+    H200 (benchmarks/RESULTS.md, 2026-12-04): 0.3 of the period was faster than no delay
+    in 49 of 60 paired blocks of the 10M-row skip-gram benchmark.
+    """
+    if not periods:
+        return 0.0
+    p = _median(periods)
+    i = _median(issues) if issues else 0.0
+    return max(0.0, min(_AUTO_FRACTION * p, (1.0 - _AUTO_SLACK) * p - i))
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -282,10 +318,18 @@ class _Run:
         self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
         #: ``time.perf_counter()`` when the training thread last freed each slot
         self.freed: Dict[int, float] = {}
+        self._last_free: Optional[float] = None
+        #: recent times between slot frees and recent issue durations (``"auto"`` delay)
+        self.periods: Deque[float] = deque(maxlen=_AUTO_HISTORY)
+        self.issues: Deque[float] = deque(maxlen=_AUTO_HISTORY)
 
     def free(self, slot: int) -> None:
         """Give a slot back (training thread), noting when."""
-        self.freed[slot] = time.perf_counter()
+        now = time.perf_counter()
+        if self._last_free is not None:
+            self.periods.append(now - self._last_free)
+        self._last_free = now
+        self.freed[slot] = now
         self.free_slots.put(slot)
 
     def take_slot(self) -> Optional[int]:
@@ -515,21 +559,24 @@ class Pipeline:
             / write-back, ms); on CUDA this synchronises at each phase, so steps overlap
             less while profiling.
         join_timeout: seconds :meth:`close` waits for the prefetch thread.
-        prefetch_delay: an experiment (depth >= 1; timing only, never results): seconds
-            the prefetch thread waits after the training thread frees a staging slot
-            before issuing the next batch into it, so that the issue's GIL-bound Python
-            can fall into the step's ``backward()`` (where the training thread waits
-            without the GIL) rather than its entry and forward pass. Default 0: issue as
-            soon as a slot frees. Slots not yet used in a run are never waited for. The
-            best value depends on the machine and the step; benchmarks/RESULTS.md
-            (2026-12-04) has runs where 0.4-0.7 ms helped and where it did not.
+        prefetch_delay: how long the prefetch thread waits after the training thread
+            frees a staging slot (at the start of a step) before issuing the next batch
+            into it (depth >= 1; timing only, never results), so that the issue's
+            GIL-bound Python falls into the step's ``backward()``, where the training
+            thread waits without the GIL, rather than into its entry and forward pass.
+            ``"auto"`` (default): on CUDA 0.3 of the recent step period, capped so the
+            issue still ends a tenth of a period before the step does
+            (:func:`stpipe.pipeline._auto_delay`); on CPU no wait. A number: that many
+            seconds. ``0``: issue as soon as a slot frees. Slots not yet used in a run
+            are never waited for. benchmarks/RESULTS.md (2026-12-04) has the paired
+            measurements behind the default; :attr:`stats` ``["delayed_s"]`` sums the waits.
 
     Raises:
         StpipeTypeError: a table is not a ``HostEmbedding`` or the arguments have the
             wrong type.
         StpipeValueError: negative ``depth``, tables on different devices, a table whose
             weight is in none of the given optimizers, one table given twice, a negative
-            or non-finite ``prefetch_delay``.
+            or non-finite ``prefetch_delay``, or a string other than ``"auto"``.
     """
 
     def __init__(
@@ -541,7 +588,7 @@ class Pipeline:
         depth: int = 1,
         profile: bool = False,
         join_timeout: float = 5.0,
-        prefetch_delay: float = 0.0,
+        prefetch_delay: Union[float, str] = "auto",
     ) -> None:
         if isinstance(tables, HostEmbedding):
             self._single = True
@@ -584,21 +631,28 @@ class Pipeline:
                 f"optimizer must be a torch.optim.Optimizer, a list of them or None, got {type(optimizer).__name__}"
             )
         self._ids_fn = self._make_ids_fn(ids)
-        if isinstance(prefetch_delay, bool) or not isinstance(prefetch_delay, (int, float, np.integer, np.floating)):
+        if isinstance(prefetch_delay, str):
+            if prefetch_delay != "auto":
+                raise StpipeValueError(f"prefetch_delay must be seconds >= 0 or 'auto', got {prefetch_delay!r}")
+        elif isinstance(prefetch_delay, bool) or not isinstance(prefetch_delay, (int, float, np.integer, np.floating)):
             raise StpipeTypeError(
-                f"prefetch_delay must be a number of seconds, got {type(prefetch_delay).__name__}"
+                f"prefetch_delay must be a number of seconds or 'auto', got {type(prefetch_delay).__name__}"
             )
-        if not (math.isfinite(prefetch_delay) and prefetch_delay >= 0):
-            raise StpipeValueError(f"prefetch_delay must be seconds >= 0, got {prefetch_delay!r}")
-        #: seconds the prefetch thread waits after a slot frees before issuing (depth >= 1)
-        self.prefetch_delay = float(prefetch_delay)
+        elif not (math.isfinite(prefetch_delay) and prefetch_delay >= 0):
+            raise StpipeValueError(f"prefetch_delay must be seconds >= 0 or 'auto', got {prefetch_delay!r}")
+        #: the wait after a slot frees before the prefetch thread issues into it (depth >= 1):
+        #: ``"auto"`` or seconds
+        self.prefetch_delay: Union[float, str] = "auto" if isinstance(prefetch_delay, str) else float(prefetch_delay)
         self._profile = bool(profile)
         self.profile: List[Dict[str, float]] = []
-        self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0}
+        self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0,
+                      "delayed_s": 0.0}
         #: CPU seconds the prefetch threads of this pipeline have used (``time.thread_time``)
         self.prefetch_cpu_s = 0.0
         self.join_timeout = float(join_timeout)
         self._cuda = self.device.type == "cuda"
+        #: whether ``prefetch_delay="auto"`` waits (CUDA: the GIL's cost was measured there)
+        self._auto_waits = self._cuda
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._lock = threading.Lock()
         self._inflight: Dict[int, _Flight] = {}
@@ -928,7 +982,9 @@ class Pipeline:
                         return
                 if not self._wait_delay(run, idx, slot):
                     return
+                t_issue = time.perf_counter()
                 self._issue(flight, run)
+                run.issues.append(time.perf_counter() - t_issue)
                 slot = None  # owned by the flight now
                 run.where = f"handing batch {idx} to the training thread"
                 cpu1 = time.thread_time()
@@ -945,16 +1001,21 @@ class Pipeline:
         """Wait until ``prefetch_delay`` after the training thread freed ``slot`` (the
         start of the step this batch's issue will overlap); no wait for a slot never
         used in this run, or freed longer ago than the delay. False if stopped."""
-        d = self.prefetch_delay
-        if d <= 0.0:
-            return True
         t0 = run.freed.get(slot)
         if t0 is None:
+            return True
+        d = self.prefetch_delay
+        if isinstance(d, str):  # "auto"
+            if not self._auto_waits:
+                return True
+            d = _auto_delay(list(run.periods), list(run.issues))
+        if d <= 0.0:
             return True
         wait = t0 + d - time.perf_counter()
         if wait <= 0.0:
             return True
         run.where = f"waiting {wait * 1e3:.2f} ms (prefetch_delay) before issuing batch {idx}"
+        self.stats["delayed_s"] += wait
         return not run.stop.wait(wait)
 
     def _prepare(self, idx: int, batch: Any, run: _Run) -> _Flight:

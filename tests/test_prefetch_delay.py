@@ -1,6 +1,7 @@
 """``Pipeline(prefetch_delay=...)``: its validation; a delay is applied after the slot a
 batch takes was freed (never for slots not yet used), changes no result, and close never
-waits for it."""
+waits for it; the ``"auto"`` default's rule (:func:`stpipe.pipeline._auto_delay`) and
+where it waits."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import torch
 
 from stpipe import StpipeTypeError, StpipeValueError
 from stpipe.embedding import HostEmbedding
-from stpipe.pipeline import Pipeline
+from stpipe.pipeline import Pipeline, _auto_delay
 
 NUM_ROWS, DIM, BATCH = 500, 4, 12
 
@@ -27,20 +28,48 @@ def test_prefetch_delay_accepts_seconds(value):
     assert isinstance(pipe.prefetch_delay, float)
 
 
-@pytest.mark.parametrize("value", [-1, -1e-9, math.nan, math.inf])
+@pytest.mark.parametrize("value", [-1, -1e-9, math.nan, math.inf, "0.1", "AUTO", ""])
 def test_prefetch_delay_rejects_values(value):
     with pytest.raises(StpipeValueError, match="prefetch_delay must be seconds >= 0"):
         Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"), prefetch_delay=value)
 
 
-@pytest.mark.parametrize("value", [True, None, "auto", "0.1", [0.1]])
+@pytest.mark.parametrize("value", [True, None, b"auto", [0.1]])
 def test_prefetch_delay_rejects_types(value):
-    with pytest.raises(StpipeTypeError, match="prefetch_delay must be a number of seconds"):
+    with pytest.raises(StpipeTypeError, match="prefetch_delay must be a number of seconds or 'auto'"):
         Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"), prefetch_delay=value)
 
 
-def test_prefetch_delay_defaults_to_zero():
-    assert Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu")).prefetch_delay == 0.0
+def test_prefetch_delay_defaults_to_auto():
+    pipe = Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"))
+    assert pipe.prefetch_delay == "auto"
+    assert Pipeline(HostEmbedding(NUM_ROWS, DIM, device="cpu"), prefetch_delay="auto").prefetch_delay == "auto"
+
+
+# ------------------------------------------------------------ the "auto" rule
+def test_auto_delay_is_zero_without_history():
+    assert _auto_delay([], []) == 0.0
+    assert _auto_delay([], [0.001]) == 0.0
+
+
+def test_auto_delay_is_a_fraction_of_the_step_period():
+    # period 3 ms, issue 0.7 ms: 0.3 of the period (0.9 ms) leaves the issue time to spare
+    assert _auto_delay([0.003] * 8, [0.0007] * 8) == pytest.approx(0.0009)
+    assert _auto_delay([0.010], []) == pytest.approx(0.003)
+
+
+def test_auto_delay_takes_medians():
+    # one slow step (a checkpoint, a log line) and one slow issue do not move it
+    assert _auto_delay([0.003, 0.003, 0.5, 0.003, 0.003], [0.0007, 0.2, 0.0007]) == pytest.approx(0.0009)
+    assert _auto_delay([0.002, 0.004], []) == pytest.approx(0.3 * 0.003)
+
+
+def test_auto_delay_leaves_the_issue_time_to_finish():
+    # period 3 ms, issue 2.4 ms: 0.9 * 3 - 2.4 = 0.3 ms, less than 0.3 of the period
+    assert _auto_delay([0.003] * 4, [0.0024] * 4) == pytest.approx(0.0003)
+    # an issue that takes most of a step: no wait at all
+    assert _auto_delay([0.003] * 4, [0.0029] * 4) == 0.0
+    assert _auto_delay([0.003] * 4, [0.01] * 4) == 0.0
 
 
 # ------------------------------------------------------------- in the pipeline
@@ -96,6 +125,36 @@ def test_fixed_delay_is_applied_and_changes_no_result(depth):
     later = [g for g in _Timed.gaps if g is not None]
     assert len(later) == len(batches) - depth - 1  # the first depth + 1 slots were free
     assert min(later) >= 0.02 - 1e-4, later
+
+
+class _AutoOnCpu(_Timed):
+    """``"auto"`` waits here as it does on CUDA (on CPU it does not by default)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._auto_waits = True
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_auto_delay_waits_and_changes_no_result(depth):
+    batches = _batches(14)
+    ref, _ = _train(0, batches)
+    _Timed.gaps = []
+    got, pipe = _train(depth, batches, delay="auto", pipe_cls=_AutoOnCpu, sleep=0.03)
+    _assert_equal(ref, got)
+    assert pipe.prefetch_delay == "auto"
+    # steps of >= 30 ms: once two frees give a period, each issue waits about 0.3 of it
+    assert pipe.stats["delayed_s"] > 0.005 * (len(batches) - depth - 3)
+    later = [g for g in _Timed.gaps if g is not None][2:]
+    assert later and min(later) >= 0.3 * 0.03 - 1e-3, later
+
+
+def test_auto_does_not_wait_on_cpu():
+    batches = _batches(10)
+    ref, _ = _train(0, batches)
+    got, pipe = _train(1, batches, delay="auto", sleep=0.01)
+    _assert_equal(ref, got)
+    assert pipe.stats["delayed_s"] == 0.0
 
 
 def test_depth0_ignores_the_delay():
