@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-import stpipe.checkpoint as ckpt
 from stpipe.embedding import HostEmbedding
 from stpipe.pipeline import Pipeline
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
