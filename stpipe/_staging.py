@@ -45,19 +45,38 @@ class _Ring:
         self.ptr = self.buf.data_ptr()
         self.size = nbytes
         self.head = 0
-        self.pending: Deque[Tuple[int, int, "torch.cuda.Event"]] = deque()
+        #: ``(start, end, event)``, or ``[start, end, event or None, stream]`` (:meth:`guard_later`)
+        self.pending: Deque[Sequence[Any]] = deque()
         self.lock = threading.Lock()
 
     def _free_until(self, start: int, end: int) -> None:
         """Wait for the pending regions overlapping ``[start, end)`` (and older ones)."""
         last = -1
-        for i, (a, b, _) in enumerate(self.pending):
-            if a < end and b > start:
+        for i, e in enumerate(self.pending):
+            if e[0] < end and e[1] > start:
                 last = i
         for _ in range(last + 1):
-            self.pending.popleft()[2].synchronize()
-        while self.pending and self.pending[0][2].query():
+            _wait_region(self.pending.popleft())
+        while self.pending and self.pending[0][2] is not None and self.pending[0][2].query():
             self.pending.popleft()
+
+    def guard_later(self, start: int, end: int, stream: "torch.cuda.Stream") -> List[Any]:
+        """Mark ``[start, end)`` pending with its event to come: the caller sets item 2
+        of the returned entry to an event recorded on ``stream`` behind every read of the
+        region (one it records anyway). Until then a reuse synchronises ``stream``.
+        For a ring only one thread at a time allocates from (a pipeline's own)."""
+        entry: List[Any] = [start, end, None, stream]
+        self.pending.append(entry)
+        return entry
+
+
+def _wait_region(entry: Sequence[Any]) -> None:
+    """Block until the copies out of a ring region have run."""
+    ev = entry[2]
+    if ev is not None:
+        ev.synchronize()
+    else:  # a guard that was never recorded (the issue failed before it)
+        entry[3].synchronize()
 
     def alloc(self, nbytes: int) -> int:
         """Offset of a free region of ``nbytes`` (lock held by the caller)."""
@@ -210,6 +229,14 @@ def _copy_up(nbytes: int, device: torch.device, stream: "torch.cuda.Stream",
 _TORCH_DTYPE: Dict[np.dtype, torch.dtype] = {}
 
 
+def _torch_dtype(dt: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (cached)."""
+    t = _TORCH_DTYPE.get(dt)
+    if t is None:
+        t = _TORCH_DTYPE.setdefault(dt, torch.from_numpy(np.empty(0, dtype=dt)).dtype)
+    return t
+
+
 def _views(dev: torch.Tensor, hosts: Sequence[np.ndarray], offsets: Sequence[int]) -> List[torch.Tensor]:
     """One typed view of ``dev`` per dtype, then a slice (and a reshape unless 1-d) per
     array: few torch calls, since each may hand the GIL to another thread."""
@@ -218,9 +245,7 @@ def _views(dev: torch.Tensor, hosts: Sequence[np.ndarray], offsets: Sequence[int
     for h, off in zip(hosts, offsets):
         whole = typed.get(h.dtype)
         if whole is None:
-            dt = _TORCH_DTYPE.get(h.dtype)
-            if dt is None:
-                dt = _TORCH_DTYPE.setdefault(h.dtype, torch.from_numpy(np.empty(0, dtype=h.dtype)).dtype)
+            dt = _torch_dtype(h.dtype)
             # offsets are multiples of _ALIGN and the buffer's length too: every view fits
             whole = typed[h.dtype] = dev.view(dt)
         isz = h.dtype.itemsize

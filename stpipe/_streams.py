@@ -53,8 +53,12 @@ class on_stream:
             self._ctx = torch.cuda.stream(s)
             self._ctx.__enter__()
             return s
-        self._prev = _get(s.device_index)
-        _set(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        prev = _get(s.device_index)
+        sid, idx, typ = s.stream_id, s.device_index, s.device_type
+        if prev[0] == sid and prev[1] == idx and prev[2] == typ:
+            return s  # already current: nothing to set, nothing to restore
+        self._prev = prev
+        _set(stream_id=sid, device_index=idx, device_type=typ)
         return s
 
     def __exit__(self, *exc: Any) -> bool:
@@ -62,5 +66,6 @@ class on_stream:
             self._ctx.__exit__(*exc)
             return False
         p = self._prev
-        _set(stream_id=p[0], device_index=p[1], device_type=p[2])
+        if p is not None:
+            _set(stream_id=p[0], device_index=p[1], device_type=p[2])
         return False

@@ -123,7 +123,8 @@ import torch
 
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
-from ._staging import _as_numpy, _views
+from ._cuda import driver_calls
+from ._staging import RING_BYTES, _Ring, _as_numpy, _torch_dtype, _views
 from ._staging import upload as _upload
 from ._staging import upload_buffer as _upload_buffer
 from ._streams import current_stream, on_stream
@@ -143,6 +144,61 @@ _thread_ids = itertools.count()
 _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                            torch.int16, torch.int8, torch.uint8, torch.bool))
 _POLL = 0.05
+
+#: ``torch._C._nn.unflatten_dense_tensors(flat, templates)``: views of ``flat`` back to
+#: back, one per template (its shape), made by one call. Each torch call of the prefetch
+#: thread may hand the GIL to the training thread and wait to take it back, so the issue
+#: makes all of a batch's views with one (:meth:`Pipeline._upload_lean`).
+_UNFLATTEN = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
+#: shape -> a meta tensor of that shape (a template for :data:`_UNFLATTEN`)
+_TEMPLATES: Dict[Tuple[int, ...], torch.Tensor] = {}
+#: id arrays at least this long are concatenated by :func:`stpipe._calls.pack` (GIL
+#: released) rather than ``np.concatenate``
+_PACK_MIN = 4096
+
+
+def _template(shape: Tuple[int, ...]) -> torch.Tensor:
+    t = _TEMPLATES.get(shape)
+    if t is None:
+        t = _TEMPLATES.setdefault(shape, torch.empty(shape, dtype=torch.uint8, device="meta"))
+    return t
+
+
+_PACKER: Any = None  # None: not looked up yet; False: not built
+
+
+def _packer() -> Any:
+    """:mod:`stpipe._calls` (its ``pack`` needs no CUDA), or ``None`` when not built or
+    ``STPIPE_DRIVER_CALLS=0``."""
+    global _PACKER
+    if _PACKER is None:
+        try:
+            from . import _calls
+        except ImportError:  # pragma: no cover - depends on the build
+            _calls = False
+        if os.environ.get("STPIPE_DRIVER_CALLS", "1").strip() == "0":
+            _calls = False
+        _PACKER = _calls
+    return _PACKER or None
+
+
+def _concat_ids(arrs: Sequence[np.ndarray]) -> np.ndarray:
+    """The flattened int64 concatenation of id arrays, copied with the GIL released when
+    they are long, int64 and C-contiguous (``stpipe._calls``), else by numpy."""
+    n = sum(a.size for a in arrs)
+    calls = _packer() if n >= _PACK_MIN else None
+    if calls is not None and all(a.dtype == np.int64 and a.flags.c_contiguous for a in arrs):
+        out = np.empty(n, dtype=np.int64)
+        offs, o = [], 0
+        for a in arrs:
+            offs.append(o)
+            o += a.nbytes
+        try:
+            calls.pack(out.__array_interface__["data"][0], arrs, offs)
+            return out
+        except (ValueError, BufferError):
+            pass
+    return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
 
 #: ``prefetch_delay="auto"``: the issue waits this fraction of the recent step period ...
 _AUTO_FRACTION = 0.3
@@ -191,10 +247,13 @@ class _DevIds:
     __slots__ = ("ptr", "n", "_dev", "_host", "_off", "_t")
 
     def __init__(self, n: int, t: Optional[torch.Tensor] = None, dev: Optional[torch.Tensor] = None,
-                 host: Optional[np.ndarray] = None, off: int = 0) -> None:
+                 host: Optional[np.ndarray] = None, off: int = 0, base: Optional[int] = None) -> None:
         self.n = n
         self._t, self._dev, self._host, self._off = t, dev, host, off
-        self.ptr = t.data_ptr() if t is not None else dev.data_ptr() + off
+        if t is not None:
+            self.ptr = t.data_ptr()
+        else:  # ``base``: ``dev.data_ptr()`` when the caller has it
+            self.ptr = (dev.data_ptr() if base is None else base) + off
 
     def tensor(self) -> torch.Tensor:
         if self._t is None:
@@ -255,6 +314,9 @@ class _Flight:
         self.dev_bufs: List[torch.Tensor] = []  # device buffers of uploaded ids (copy stream)
         self.batch_event = None
         self.claimed: List[Any] = []  # streams that already waited on batch_event
+        #: the pipeline ring's region of this batch's upload, its guard event to come
+        #: (:meth:`Pipeline._upload_lean`: ``ready`` is recorded behind the copy anyway)
+        self.ring_entry: Optional[List[Any]] = None
 
 
 @dataclass
@@ -377,8 +439,12 @@ class _Slots:
         return self.extra[slot][key][:k]
 
     def views(self, slot: int, k: int, keys: Iterable[str]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """The slot's first ``k`` rows and ``{key: state rows}``: what a step installs."""
-        return self.rows(slot, k), {key: self.state(slot, key, k) for key in keys}
+        """The slot's first ``k`` rows and ``{key: state rows}``: what a step installs
+        (every plane of the stack by two torch calls)."""
+        planes = self.stack[slot][:, :k].unbind(0)
+        stacked = self.stacked[slot]
+        return planes[0], {key: (planes[1 + stacked.index(key)] if key in stacked else self.extra[slot][key][:k])
+                           for key in keys}
 
     def stacked_among(self, slot: int, keys: Iterable[str]) -> List[str]:
         """The stacked keys among ``keys``, in stack order (a prefix of the stack)."""
@@ -661,6 +727,12 @@ class Pipeline:
         self._closed = False
         self._compute_stream = None
         self._to_device = True
+        #: the issuing thread's own pinned upload ring (CUDA; made at the first upload)
+        self._issue_ring: Optional[_Ring] = None
+        #: whether uploads take :meth:`_upload_lean` where it applies (off: the general path)
+        self._lean = True
+        #: re-recorded by every write-back: the copy stream's wait for the step's compute
+        self._done_ev = None
         self._bind_optimizers()
 
     # ------------------------------------------------------------------ set-up
@@ -1029,7 +1101,7 @@ class Pipeline:
             x = ids[name]
             if _is_parts(x):
                 arrs = [as_index_array(p) for p in x]
-                flat = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
+                flat = _concat_ids(arrs)
                 try:
                     p = _plan(flat, emb.num_rows)  # checks the range in the compiled pass
                 except StpipeIndexError:
@@ -1058,6 +1130,8 @@ class Pipeline:
         ``emb(step.batch[...])`` takes the fast path. Tensors of a dtype numpy cannot
         hold (bfloat16) are pinned and copied on their own. On CPU nothing moves.
         """
+        if self._cuda and self._lean and self._upload_lean(flight, pending):
+            return
         arrays: List[Any] = []
         for tf in flight.tables.values():
             arrays.append(np.ascontiguousarray(tf.plan.inverse.reshape(-1), dtype=np.int64))
@@ -1149,6 +1223,154 @@ class Pipeline:
         for tf in flight.tables.values():
             tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
 
+    def _upload_lean(self, flight: _Flight, pending: Sequence[Tuple[int, Any, np.ndarray, np.ndarray]]) -> bool:
+        """:meth:`_upload` with few torch calls, for the usual batch (CUDA, the compiled
+        driver calls, every id array non-empty, every batch tensor on the CPU in a dtype
+        numpy holds); False (nothing done) otherwise.
+
+        Layout of the one device buffer: the inverses and the batch's int64 tensors back
+        to back, then the batch's tensors of each other dtype (from a 256-byte boundary),
+        then the unique ids and overlaps. So every tensor view of the batch comes from one
+        ``unflatten_dense_tensors`` per dtype instead of a slice and a reshape each.
+
+        Stream: the copy stream, from this pipeline's own pinned ring (only the issuing
+        thread allocates from it). The copy gets no event of its own: :meth:`_gather`
+        records ``flight.ready`` behind it right after, and that event guards the ring
+        region and is the batch's ``batch_event``.
+        """
+        calls = driver_calls()
+        if calls is None or _UNFLATTEN is None:
+            return False
+        runs: Dict[Any, Tuple[List[np.ndarray], List[torch.Tensor]]] = {np.dtype(np.int64): ([], [])}
+        hosts64, temps64 = runs[np.dtype(np.int64)]
+        for tf in flight.tables.values():
+            inv = tf.plan.inverse
+            if inv.dtype != np.int64 or not inv.flags.c_contiguous or inv.size == 0:
+                return False
+            hosts64.append(inv)
+            if tf.single:
+                temps64.append(_template(inv.shape))
+            else:
+                shapes = [tuple(sh) for sh in tf._shapes]  # type: ignore[attr-defined]
+                if any(math.prod(sh) == 0 for sh in shapes):
+                    return False
+                temps64.extend(_template(sh) for sh in shapes)
+        moved: List[torch.Tensor] = []
+        device = self.device
+        if self._to_device:
+            seen: Dict[int, Any] = {}
+
+            def collect(t: torch.Tensor) -> torch.Tensor:
+                if t.device != device and id(t) not in seen:
+                    seen[id(t)] = t
+                    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
+                        moved.append(t)
+                return t
+
+            _map_tensors(collect, flight.source)
+            if len(moved) != len(seen):
+                return False  # a tensor on another GPU, or of a dtype numpy cannot hold
+            for t in moved:
+                h = _as_numpy(t)
+                if h.size == 0:
+                    return False
+                run = runs.get(h.dtype)
+                if run is None:
+                    run = runs[h.dtype] = ([], [])
+                run[0].append(h)
+                run[1].append(t)
+        hosts: List[np.ndarray] = []
+        offsets: List[int] = []
+        starts: List[int] = []
+        off = 0
+        for dt, (hs, _) in runs.items():
+            off = -(-off // 256) * 256
+            starts.append(off)
+            for h in hs:
+                hosts.append(h)
+                offsets.append(off)
+                off += h.nbytes
+        plain = []  # reached by address only
+        for tf in flight.tables.values():
+            plain.append(tf.plan.unique)
+        for _, _, pp, np_ in pending:
+            plain += [np.ascontiguousarray(pp, dtype=np.int64), np.ascontiguousarray(np_, dtype=np.int64)]
+        off = -(-off // 256) * 256
+        plain_off = []
+        for h in plain:
+            hosts.append(h)
+            offsets.append(off)
+            plain_off.append(off)
+            off += h.nbytes
+        total = max(-(-off // 256) * 256, 256)
+        ring = self._issue_ring
+        if ring is None:
+            ring = self._issue_ring = _Ring(RING_BYTES)
+        if total > ring.size // 2:
+            return False
+        cs = self._copy_stream
+        with ring.lock:
+            base = ring.alloc(total)
+            try:
+                calls.pack(ring.ptr + base, hosts, offsets)
+            except (ValueError, BufferError):
+                return False  # not C-contiguous after all: the general path packs it
+            with on_stream(cs):
+                dev = torch.empty(total, dtype=torch.uint8, device=device)
+                ptr = dev.data_ptr()
+                if calls.htod(ptr, ring.ptr + base, total, cs.cuda_stream) != 0:
+                    dev.copy_(ring.buf[base:base + total], non_blocking=True)
+            flight.ring_entry = ring.guard_later(base, base + total, cs)
+        views: List[torch.Tensor] = []
+        for (dt, (_, temps)), start in zip(runs.items(), starts):
+            if not temps:
+                continue
+            typed = dev.view(_torch_dtype(dt))
+            if start:
+                typed = typed[start // dt.itemsize:]
+            views.extend(_UNFLATTEN(typed, temps))
+        i = 0
+        for tf in flight.tables.values():
+            n = 1 if tf.single else len(tf.parts)
+            tf.part_inverse = views[i:i + n]
+            i += n
+        n_inv = i
+        tf_list = list(flight.tables.values())
+        for tf, o in zip(tf_list, plain_off):
+            tf.dev_rows = _DevIds(int(tf.plan.unique.shape[0]), dev=dev, host=tf.plan.unique, off=o, base=ptr)
+        m = len(tf_list)
+        for q, (j, name, _, _) in enumerate(pending):
+            a, b = plain[m + 2 * q], plain[m + 2 * q + 1]
+            flight.overlaps.setdefault(j, {})[name] = (
+                _DevIds(int(a.shape[0]), dev=dev, host=a, off=plain_off[m + 2 * q], base=ptr),
+                _DevIds(int(b.shape[0]), dev=dev, host=b, off=plain_off[m + 2 * q + 1], base=ptr))
+        if not self._to_device:
+            flight.dev_bufs.append(dev)  # recorded on the compute stream at entry
+            for tf in tf_list:
+                tf.aliases = [None] * len(tf.parts)
+            return True
+        done: Dict[int, torch.Tensor] = {}
+        for dt, (_, temps) in runs.items():
+            if dt == np.int64:
+                temps = temps[n_inv:]  # the views before are the inverses'
+            for t in temps:
+                done[id(t)] = views[i]
+                i += 1
+        alias: Dict[int, torch.Tensor] = {}
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            out = done.get(id(t))
+            if out is None:  # already on the device
+                return t
+            alias[id(t)] = out
+            return out
+
+        flight.batch = _map_tensors(to_device, flight.source)
+        flight.copies = [dev]  # claimed (recorded) with the batch at entry
+        for tf in tf_list:
+            tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
+        return True
+
     def _claim_batch(self, flight: _Flight, cur: Any = None, wait: bool = True) -> None:
         """Order the caller's current stream (``cur`` when the caller has it) after the
         batch's copies (no host sync).
@@ -1222,6 +1444,12 @@ class Pipeline:
         if self._cuda:
             # one event: the tables' read event and the batch's `ready`
             flight.ready = _finish(pending, cs)
+            entry = flight.ring_entry
+            if entry is not None:  # a lean upload: `ready` is behind its copy too
+                entry[2] = flight.ready
+                flight.ring_entry = None
+                if flight.copies:
+                    flight.batch_event = flight.ready
         self._stage(flight, None if run is None else run.gate)
 
     def _stage(self, flight: _Flight, gate: Optional[_Gate]) -> None:
@@ -1447,8 +1675,10 @@ class Pipeline:
             views[name] = (rows, sv)
         with self._lock:
             if self._cuda:
-                done = torch.cuda.Event()
-                done.record(compute)
+                done = self._done_ev
+                if done is None:
+                    done = self._done_ev = torch.cuda.Event()
+                done.record(compute)  # a wait already enqueued keeps the record it saw
                 cs.wait_event(done)
             carries = []
             for j in sorted(j for j in self._inflight if j > f.index):
@@ -1463,7 +1693,10 @@ class Pipeline:
                             self._carry(name, f, g, pp, np_)
                             self.stats["rows_carried"] += pp.n
                         if self._cuda:
-                            g.ready = torch.cuda.Event()
+                            # re-recorded, later on the same stream: whatever else holds
+                            # it (batch_event, a read event, a ring guard) stays valid
+                            if g.ready is None:
+                                g.ready = torch.cuda.Event()
                             g.ready.record(cs)
             pending: List[Any] = []  # fused scatters: one write event for all tables
             for name, tf in f.tables.items():

@@ -344,6 +344,15 @@ def test_on_stream_switches_and_restores():
         with on_stream(s1):
             raise KeyError("inside")
     assert torch.cuda.current_stream(dev) == before
+    # the stream already current: nothing is set, and leaving keeps it (also nested)
+    with on_stream(before):
+        assert torch.cuda.current_stream(dev) == before
+    assert torch.cuda.current_stream(dev) == before
+    with on_stream(s1):
+        with on_stream(s1):
+            assert torch.cuda.current_stream(dev) == s1
+        assert torch.cuda.current_stream(dev) == s1
+    assert torch.cuda.current_stream(dev) == before
 
 
 @pytest.mark.parametrize("dtype,dim,planes", [(torch.float32, 128, 3), (torch.float16, 3, 1),

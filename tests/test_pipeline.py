@@ -737,3 +737,40 @@ def test_state_key_dropped_during_step_is_an_error(depth):
 
     with pytest.raises(StpipeRuntimeError, match="exp_avg_sq"):
         _adam_run(depth, 3, drop)
+
+
+def test_concat_ids_matches_numpy():
+    """The prefetch thread's concatenation of multi-part ids (GIL released for long int64
+    parts) gives np.concatenate's flat int64 result for any dtype and layout."""
+    from stpipe.pipeline import _PACK_MIN, _concat_ids
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1 << 40, (_PACK_MIN, 3))
+    b = rng.integers(0, 1 << 40, 17)
+    c = rng.integers(0, 100, (50, 4)).astype(np.int32)
+    d = rng.integers(0, 1 << 40, (3 * _PACK_MIN, 2))[:, 0]  # not contiguous
+    for parts in ([a, b], [a, c], [d, a], [b], [c, c], [a[:0], b]):
+        got = _concat_ids(parts)
+        want = np.concatenate([p.reshape(-1).astype(np.int64) for p in parts])
+        assert got.dtype == np.int64 and got.shape == want.shape
+        assert np.array_equal(got, want)
+
+
+def test_ring_region_guard_recorded_later():
+    """A ring region whose event comes later (the pipeline's lean upload): reusing it
+    before the event is set synchronises the stream; after, waits on the event."""
+    from stpipe._staging import _wait_region
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            calls.append(self.name)
+
+    _wait_region([0, 10, None, Fake("stream")])
+    _wait_region([0, 10, Fake("event"), Fake("stream")])
+    _wait_region((0, 10, Fake("event2")))
+    assert calls == ["stream", "event", "event2"]

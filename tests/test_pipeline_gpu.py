@@ -271,3 +271,65 @@ def test_gpu_fixed_prefetch_delay_changes_no_result(cuda_device, depth):
                 opt.zero_grad()
     assert pipe.prefetch_delay == pytest.approx(0.002)
     assert_same(ref, snapshot(emb, opt))
+
+
+def _lean_batches(n=24, with_bf16=False):
+    rng = np.random.default_rng(5)
+    out = []
+    for i in range(n):
+        ids = torch.from_numpy((rng.zipf(1.2, 256) - 1) % NUM_ROWS)
+        b = {"c": ids, "x": torch.from_numpy((rng.zipf(1.2, (256, 9)) - 1) % NUM_ROWS),
+             "feat": torch.from_numpy(rng.standard_normal((256, 3)).astype(np.float32)),
+             "mask": torch.from_numpy(rng.random(256) < 0.5),
+             "half": torch.from_numpy(rng.standard_normal(5).astype(np.float16)),
+             "nested": [ids, (torch.tensor(i), torch.arange(7, dtype=torch.int32))]}
+        if with_bf16:
+            b["bf"] = torch.ones(4, dtype=torch.bfloat16) * i
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("with_bf16", [False, True])
+def test_gpu_lean_upload_equals_general(cuda_device, depth, with_bf16):
+    """The issue's lean upload (one device buffer, views by one call per dtype, the
+    pipeline's own ring, `ready` as the batch's event) against the general path: the same
+    moved batch (values, dtypes, shapes, aliasing), the same tables and state; the lean
+    path is taken unless the batch holds a tensor numpy cannot (bfloat16)."""
+    data = _lean_batches(with_bf16=with_bf16)
+
+    def run(lean):
+        e_in, e_out = make_emb(cuda_device, 2), make_emb(cuda_device, 3)
+        opt = torch.optim.Adam(list(e_in.parameters()) + list(e_out.parameters()), lr=0.01)
+        seen = []
+        with Pipeline({"in": e_in, "out": e_out}, optimizer=opt, depth=depth,
+                      ids=lambda b: {"in": b["c"], "out": (b["x"][:, :4], b["x"][:, 4:])}) as pipe:
+            pipe._lean = lean
+            for step in pipe.run(data):
+                with step:
+                    b = step.batch
+                    src = data[step.index]
+                    for key in ("c", "x", "feat", "mask", "half") + (("bf",) if with_bf16 else ()):
+                        assert b[key].device == cuda_device and b[key].dtype == src[key].dtype
+                        assert torch.equal(b[key].cpu(), src[key])
+                    assert b["nested"][0] is b["c"]  # one tensor given twice stays one tensor
+                    assert int(b["nested"][1][0]) == step.index and b["nested"][1][0].dim() == 0
+                    assert torch.equal(b["nested"][1][1].cpu(), torch.arange(7, dtype=torch.int32))
+                    p, n = step.ids["out"]
+                    u = e_in(step.ids["in"])
+                    s = (u.unsqueeze(1) * torch.cat([e_out(p), -e_out(n)], 1)).sum(-1)
+                    w = b["feat"].sum(-1) * b["mask"] + b["half"].float().sum()
+                    (-(torch.nn.functional.logsigmoid(s).sum(-1) * w.sigmoid()).sum()).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    seen.append(step.index)
+            used_ring = pipe._issue_ring is not None
+        assert seen == list(range(len(data)))
+        return snapshot(e_in, opt), snapshot(e_out, opt), used_ring
+
+    general = run(False)
+    lean = run(True)
+    assert general[2] is False
+    assert lean[2] is (not with_bf16)
+    assert_same(general[0], lean[0])
+    assert_same(general[1], lean[1])
