@@ -69,15 +69,6 @@ class _Ring:
         self.pending.append(entry)
         return entry
 
-
-def _wait_region(entry: Sequence[Any]) -> None:
-    """Block until the copies out of a ring region have run."""
-    ev = entry[2]
-    if ev is not None:
-        ev.synchronize()
-    else:  # a guard that was never recorded (the issue failed before it)
-        entry[3].synchronize()
-
     def alloc(self, nbytes: int) -> int:
         """Offset of a free region of ``nbytes`` (lock held by the caller)."""
         start = self.head
@@ -86,6 +77,15 @@ def _wait_region(entry: Sequence[Any]) -> None:
         self._free_until(start, start + nbytes)
         self.head = start + nbytes
         return start
+
+
+def _wait_region(entry: Sequence[Any]) -> None:
+    """Block until the copies out of a ring region have run."""
+    ev = entry[2]
+    if ev is not None:
+        ev.synchronize()
+    else:  # a guard that was never recorded (the issue failed before it)
+        entry[3].synchronize()
 
 
 _rings: Dict[int, _Ring] = {}

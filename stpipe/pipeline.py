@@ -144,6 +144,8 @@ _thread_ids = itertools.count()
 _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                            torch.int16, torch.int8, torch.uint8, torch.bool))
 _POLL = 0.05
+#: a prefetch delay shorter than this is slept through (``close()`` waits at most this)
+_SLEEP_MAX = 0.02
 
 #: ``torch._C._nn.unflatten_dense_tensors(flat, templates)``: views of ``flat`` back to
 #: back, one per template (its shape), made by one call. Each torch call of the prefetch
@@ -1088,6 +1090,9 @@ class Pipeline:
             return True
         run.where = f"waiting {wait * 1e3:.2f} ms (prefetch_delay) before issuing batch {idx}"
         self.stats["delayed_s"] += wait
+        if wait < _SLEEP_MAX:  # one sleep: less of the GIL than Event.wait's Condition
+            time.sleep(wait)
+            return not run.stop.is_set()
         return not run.stop.wait(wait)
 
     def _prepare(self, idx: int, batch: Any, run: _Run) -> _Flight:
@@ -1687,17 +1692,16 @@ class Pipeline:
                 if ov:
                     carries.append((g, ov))
             if carries:
-                with on_stream(cs) if self._cuda else contextlib.nullcontext():
-                    for g, ov in carries:
-                        for name, (pp, np_) in ov.items():
-                            self._carry(name, f, g, pp, np_)
-                            self.stats["rows_carried"] += pp.n
-                        if self._cuda:
-                            # re-recorded, later on the same stream: whatever else holds
-                            # it (batch_event, a read event, a ring guard) stays valid
-                            if g.ready is None:
-                                g.ready = torch.cuda.Event()
-                            g.ready.record(cs)
+                for g, ov in carries:
+                    for name, (pp, np_) in ov.items():
+                        self._carry(name, f, g, pp, np_)
+                        self.stats["rows_carried"] += pp.n
+                    if self._cuda:
+                        # re-recorded, later on the same stream: whatever else holds
+                        # it (batch_event, a read event, a ring guard) stays valid
+                        if g.ready is None:
+                            g.ready = torch.cuda.Event()
+                        g.ready.record(cs)
             pending: List[Any] = []  # fused scatters: one write event for all tables
             for name, tf in f.tables.items():
                 if not tf.k:
@@ -1725,7 +1729,8 @@ class Pipeline:
     def _carry(self, name: Any, f: _Flight, g: _Flight, pp: _DevIds, np_: _DevIds) -> None:
         """Copy the rows (and state) batch ``g`` shares with ``f`` from ``f``'s slot into
         ``g``'s: ``g[np_] = f[pp]`` for the planes both hold (issue lock held; stream: the
-        copy stream, after ``f``'s compute)."""
+        copy stream, after ``f``'s compute: the carry kernel is given it, the torch
+        fallbacks make it current)."""
         slots = self._slots[name]
         ftf, gtf = f.tables[name], g.tables[name]
         keys = gtf.keys  # f's slot holds every known key (ensured in its write-back)
@@ -1740,11 +1745,14 @@ class Pipeline:
             carry(pp.ptr, np_.ptr, pp.n, self._copy_stream)  # one launch for all 1 + m planes
         else:
             pt, nt = pp.tensor(), np_.tensor()
-            dst[: 1 + m].index_copy_(1, nt, src[: 1 + m, : ftf.k].index_select(1, pt))
-        for key in keys:
-            if key not in sf[:m]:
-                d = slots.state(g.slot, key, gtf.k)
-                d.index_copy_(0, np_.tensor(), slots.state(f.slot, key, ftf.k).index_select(0, pp.tensor()))
+            with on_stream(self._copy_stream) if self._cuda else contextlib.nullcontext():
+                dst[: 1 + m].index_copy_(1, nt, src[: 1 + m, : ftf.k].index_select(1, pt))
+        rest = [key for key in keys if key not in sf[:m]]
+        if rest:
+            with on_stream(self._copy_stream) if self._cuda else contextlib.nullcontext():
+                for key in rest:
+                    d = slots.state(g.slot, key, gtf.k)
+                    d.index_copy_(0, np_.tensor(), slots.state(f.slot, key, ftf.k).index_select(0, pp.tensor()))
 
 
 def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:

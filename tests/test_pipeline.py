@@ -774,3 +774,39 @@ def test_ring_region_guard_recorded_later():
     _wait_region([0, 10, Fake("event"), Fake("stream")])
     _wait_region((0, 10, Fake("event2")))
     assert calls == ["stream", "event", "event2"]
+
+
+def test_ring_alloc_waits_for_guards_recorded_later():
+    """The ring's FIFO regions with a guard to come (no pinned memory needed: the ring's
+    bookkeeping only): reuse waits on the event once set, on the stream before."""
+    from stpipe._staging import _Ring
+
+    log = []
+
+    class Ev:
+        def __init__(self, name, done=False):
+            self.name, self.done = name, done
+
+        def synchronize(self):
+            log.append(self.name)
+
+        def query(self):
+            return self.done
+
+    ring = object.__new__(_Ring)
+    ring.size, ring.head = 1000, 0
+    from collections import deque
+    ring.pending = deque()
+    a = ring.alloc(400)
+    ea = ring.guard_later(a, a + 400, Ev("stream-a"))
+    ea[2] = Ev("event-a")
+    b = ring.alloc(400)
+    ring.guard_later(b, b + 400, Ev("stream-b"))  # its event never set (a failed issue)
+    assert (a, b) == (0, 400) and log == []
+    c = ring.alloc(400)  # wraps: reuses a's and b's bytes
+    assert c == 0 and log == ["event-a"]
+    d = ring.alloc(400)
+    assert d == 400 and log == ["event-a", "stream-b"]
+    ring.pending.append((0, 10, Ev("done", done=True)))
+    ring.alloc(10)  # completed regions at the head are dropped without waiting
+    assert log == ["event-a", "stream-b"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -233,6 +233,10 @@ class _DriverLaunch:
         return self._fn(func, grid[0], grid[1], 1, block, 1, 1, 0, stream, params, None)
 
 
+#: the calling thread's current CUDA device (``torch.cuda.current_device()`` without its
+#: Python layer; used only once CUDA is initialised, as prepared moves are made after)
+_get_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+
 #: CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context yet
 _NO_CONTEXT = 201
 _UNKNOWN = object()
@@ -255,10 +259,14 @@ class _Prepared:
         words = self._words
         total = n * words
         blocks, threads = launch_shape(total, self._sms)
-        run = self._backend._run
+        be, index = self._backend, self._index
+        direct = be._direct(index, self._name, self._word)
+        handle = stream.cuda_stream if direct is not None else 0
         for part, base, count in self._groups:
-            run(self._index, self._name, self._word, (blocks, count), threads, stream,
-                (*part, ids_ptr, base, self._plane, total, words), pointers=MANY + 2)
+            values = (*part, ids_ptr, base, self._plane, total, words)
+            if direct is None or direct[0](direct[1], blocks, count, threads, handle, values) != 0:
+                be._run(index, self._name, self._word, (blocks, count), threads, stream, values,
+                        pointers=MANY + 2)
 
 
 class _PreparedCarry:
@@ -278,9 +286,12 @@ class _PreparedCarry:
         words = self._words
         total = n * words
         blocks, threads = launch_shape(total, self._sms)
-        self._backend._run(self._index, "carry_many", self._word, (blocks, self._planes), threads, stream,
-                           (self._src, self._dst, src_rows, dst_rows, self._sp, self._dp, total, words),
-                           pointers=4)
+        values = (self._src, self._dst, src_rows, dst_rows, self._sp, self._dp, total, words)
+        be = self._backend
+        direct = be._direct(self._index, "carry_many", self._word)
+        if direct is None or direct[0](direct[1], blocks, self._planes, threads, stream.cuda_stream, values) != 0:
+            be._run(self._index, "carry_many", self._word, (blocks, self._planes), threads, stream, values,
+                    pointers=4)
 
 
 def _device_pointer_check(cp, ptr: int) -> None:
@@ -409,6 +420,20 @@ class CupyBackend:
         args = tuple(np.uint64(v) for v in values[:pointers]) + tuple(np.int64(v) for v in values[pointers:])
         with self._cp.cuda.Device(index):
             self._kernel(index, name, word)(grid, (block,), args, stream=self._stream(index, stream))
+
+    def _direct(self, index: int, name: str, word: int) -> Optional[Tuple[Any, int]]:
+        """``(launch, CUfunction address)`` for a prepared move's launches without the
+        Python layers of :meth:`_run` (:func:`stpipe._calls.launch`), or ``None``: no
+        compiled driver calls, the function not looked up yet (the first launch goes
+        through :meth:`_run`), or another device current in this thread. A launch that
+        returns an error is made again through :meth:`_run`, which handles it."""
+        drv = self._driver
+        if drv is None or drv._calls is None:
+            return None
+        fn = self._functions.get((index, name, word))
+        if fn is None or fn is _UNKNOWN or _get_device() != index:
+            return None
+        return drv._calls.launch, fn.ptr
 
     def _fast(self, index: int, name: str, word: int, grid: Tuple[int, int], block: int,
               stream: "torch.cuda.Stream", values: Sequence[int]) -> bool:
