@@ -295,6 +295,21 @@ def test_cupy_backend_launch_paths(path, monkeypatch):
         return ok
 
     monkeypatch.setattr(type(be), "_fast", counting)
+    real_direct = type(be)._direct
+
+    def counting_direct(self, *a, **kw):  # prepared moves launch through _direct
+        got = real_direct(self, *a, **kw)
+        if got is None:
+            return None
+        launch, fn = got
+
+        def counted(*args):
+            err = launch(*args)
+            calls["fast"] += err == 0
+            return err
+        return counted, fn
+
+    monkeypatch.setattr(type(be), "_direct", counting_direct)
     tabs = [HostTable(NUM_ROWS, 128, torch.float32, backend="cupy") for _ in range(5)]
     try:
         refs = [random_bits(t, seed=g) for g, t in enumerate(tabs)]
