@@ -129,6 +129,8 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if type(batch) is dict:  # the usual batch: no dataclass or ABC checks
+        return {key: _map_tensors(fn, value) for key, value in batch.items()}
     if isinstance(batch, (str, bytes, bytearray)):
         return batch
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):

@@ -443,7 +443,7 @@ class _Slots:
     def views(self, slot: int, k: int, keys: Iterable[str]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The slot's first ``k`` rows and ``{key: state rows}``: what a step installs
         (every plane of the stack by two torch calls)."""
-        planes = self.stack[slot][:, :k].unbind(0)
+        planes = self.stack[slot].narrow(1, 0, k).unbind(0)
         stacked = self.stacked[slot]
         return planes[0], {key: (planes[1 + stacked.index(key)] if key in stacked else self.extra[slot][key][:k])
                            for key in keys}
@@ -1266,10 +1266,13 @@ class Pipeline:
             seen: Dict[int, Any] = {}
 
             def collect(t: torch.Tensor) -> torch.Tensor:
-                if t.device != device and id(t) not in seen:
-                    seen[id(t)] = t
-                    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
-                        moved.append(t)
+                if id(t) not in seen:
+                    if t.is_cpu:
+                        seen[id(t)] = t
+                        if t.dtype in _NUMPY_DTYPES:
+                            moved.append(t)
+                    elif t.device != device:
+                        seen[id(t)] = t
                 return t
 
             _map_tensors(collect, flight.source)
