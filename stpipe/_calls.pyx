@@ -13,7 +13,9 @@ for its memcpys while the training thread waited for it. Here:
   handing the GIL to another thread and back.
 * :func:`htod` calls ``cuMemcpyHtoDAsync`` with the GIL released.
 * :func:`pack` copies the bytes of C-contiguous buffers to a host address with the GIL
-  released, so the training thread runs while the prefetch thread packs.
+  released, so the training thread runs while the prefetch thread packs;
+  :func:`pack_htod` also enqueues the copy of the packed bytes to the device, in the
+  same release.
 
 The driver's entry points are given to :func:`bind` as addresses (looked up with
 ``ctypes`` by :func:`stpipe._cuda.driver_calls`), so this module compiles and imports on
@@ -92,6 +94,18 @@ def htod(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) -> int:
     return err
 
 
+def pack_htod(uintptr_t dst, arrays, offsets, uintptr_t dev, size_t nbytes, uintptr_t stream) -> int:
+    """:func:`pack` to the pinned host address ``dst``, then
+    ``cuMemcpyHtoDAsync(dev, dst, nbytes, stream)``, in one release of the GIL (each
+    release may hand the GIL to the training thread and wait to take it back). Returns
+    the ``CUresult`` of the copy (0: enqueued), or -1 when unbound (packed, not copied).
+
+    Raises:
+        as :func:`pack` (nothing packed or copied then).
+    """
+    return _pack(dst, arrays, offsets, dev, nbytes, stream, True)
+
+
 def pack(uintptr_t dst, arrays, offsets) -> int:
     """Copy the bytes of each of ``arrays`` (C-contiguous buffers: numpy arrays, bytes)
     to the host address ``dst + offsets[i]``, with the GIL released for the copies.
@@ -102,12 +116,21 @@ def pack(uintptr_t dst, arrays, offsets) -> int:
         ValueError, BufferError: an array that is not C-contiguous (the exporter's
             error: numpy raises ``ValueError``).
     """
+    return _pack(dst, arrays, offsets, 0, 0, 0, False)
+
+
+cdef object _pack(uintptr_t dst, arrays, offsets, uintptr_t dev, size_t nbytes, uintptr_t stream, bint copy):
     cdef Py_ssize_t n = len(arrays), i, got = 0
     cdef size_t total = 0
+    cdef int err = -1
     if len(offsets) != n:
         raise ValueError(f"expected one offset per array ({n}), got {len(offsets)}")
     if n == 0:
-        return 0
+        if copy and _htod != NULL and nbytes:
+            with nogil:
+                err = _htod(dev, <const void*>dst, nbytes, <void*>stream)
+            return err
+        return -1 if copy else 0
     cdef Py_buffer* bufs = <Py_buffer*>malloc(n * sizeof(Py_buffer))
     cdef size_t* offs = <size_t*>malloc(n * sizeof(size_t))
     if bufs == NULL or offs == NULL:
@@ -126,9 +149,11 @@ def pack(uintptr_t dst, arrays, offsets) -> int:
             for i in range(n):
                 memcpy(<char*>dst + offs[i], bufs[i].buf, <size_t>bufs[i].len)
                 total += <size_t>bufs[i].len
+            if copy and _htod != NULL:
+                err = _htod(dev, <const void*>dst, nbytes, <void*>stream)
     finally:
         for i in range(got):
             PyBuffer_Release(&bufs[i])
         free(bufs)
         free(offs)
-    return total
+    return err if copy else total

@@ -1319,14 +1319,15 @@ class Pipeline:
         cs = self._copy_stream
         with ring.lock:
             base = ring.alloc(total)
-            try:
-                calls.pack(ring.ptr + base, hosts, offsets)
-            except (ValueError, BufferError):
-                return False  # not C-contiguous after all: the general path packs it
             with on_stream(cs):
                 dev = torch.empty(total, dtype=torch.uint8, device=device)
-                ptr = dev.data_ptr()
-                if calls.htod(ptr, ring.ptr + base, total, cs.cuda_stream) != 0:
+            ptr = dev.data_ptr()
+            try:  # packed and copied in one release of the GIL
+                err = calls.pack_htod(ring.ptr + base, hosts, offsets, ptr, total, cs.cuda_stream)
+            except (ValueError, BufferError):
+                return False  # not C-contiguous after all: the general path packs it
+            if err != 0:
+                with on_stream(cs):
                     dev.copy_(ring.buf[base:base + total], non_blocking=True)
             flight.ring_entry = ring.guard_later(base, base + total, cs)
         views: List[torch.Tensor] = []

@@ -221,6 +221,15 @@ def test_compiled_calls_checks_and_unbound_driver():
     if not calls.bound():  # CPU machines: never bound (no libcuda)
         assert calls.launch(0, 1, 1, 1, 0, [1, 2]) == -1
         assert calls.htod(0, 0, 0, 0) == -1
+        # pack_htod packs, then reports the copy it could not make
+        dst[:] = 0
+        assert calls.pack_htod(dst.ctypes.data, [np.array([3, 4], dtype=np.int16)], [2], 0, 4, 0) == -1
+        assert dst.tolist()[:6] == [0, 0, 3, 0, 4, 0]
+        assert calls.pack_htod(dst.ctypes.data, [], [], 0, 0, 0) == -1
+    before = dst.copy()
+    with pytest.raises(ValueError):
+        calls.pack_htod(dst.ctypes.data, [dst[:1], strided], [0, 8], 0, 16, 0)
+    assert np.array_equal(dst, before)
 
 
 def test_gather_many_on_cpu_matches_index_select():
