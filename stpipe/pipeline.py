@@ -37,12 +37,14 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    entry and forward pass, which need the GIL too. Timing only: no result depends on it.
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
-   asynchronous copy on the copy stream, through the pinned upload ring, moves everything
-   ``j`` needs on the device: each table's inverse and unique ids, the overlaps, and the
-   batch's own CPU tensors.
+   asynchronous copy on the copy stream, through the pipeline's own pinned upload ring,
+   moves everything ``j`` needs on the device: each table's inverse and unique ids, the
+   overlaps, and the batch's own CPU tensors (packed and copied in one release of the GIL;
+   the tensor views of one dtype made by one call, :meth:`Pipeline._upload_lean`).
 3. Under the pipeline's *issue lock* it gathers ``j``'s unique rows (and the per-row
    optimizer state known so far) from the host tables into slot buffers on the copy
-   stream, records ``j.ready`` there (one event, also the tables' read event), and adds
+   stream, records ``j.ready`` there (one event, also the tables' read event, the batch's
+   event and the guard of its ring region), and adds
    ``j`` to the in-flight set. A slot holds a
    table's rows and state as one ``(1 + keys, cap, dim)`` stack, so one fused UVA launch
    gathers them all (a move prepared once per slot stack, :func:`stpipe.host._prepare_move`;
