@@ -154,8 +154,10 @@ _SLEEP_MAX = 0.02
 #: thread may hand the GIL to the training thread and wait to take it back, so the issue
 #: makes all of a batch's views with one (:meth:`Pipeline._upload_lean`).
 _UNFLATTEN = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
-#: shape -> a meta tensor of that shape (a template for :data:`_UNFLATTEN`)
+#: shape -> a meta tensor of that shape (a template for :data:`_UNFLATTEN`); cleared
+#: when it reaches :data:`_TEMPLATES_MAX` shapes (batches of ever new shapes)
 _TEMPLATES: Dict[Tuple[int, ...], torch.Tensor] = {}
+_TEMPLATES_MAX = 4096
 #: id arrays at least this long are concatenated by :func:`stpipe._calls.pack` (GIL
 #: released) rather than ``np.concatenate``
 _PACK_MIN = 4096
@@ -164,6 +166,8 @@ _PACK_MIN = 4096
 def _template(shape: Tuple[int, ...]) -> torch.Tensor:
     t = _TEMPLATES.get(shape)
     if t is None:
+        if len(_TEMPLATES) >= _TEMPLATES_MAX:
+            _TEMPLATES.clear()
         t = _TEMPLATES.setdefault(shape, torch.empty(shape, dtype=torch.uint8, device="meta"))
     return t
 

@@ -810,3 +810,23 @@ def test_ring_alloc_waits_for_guards_recorded_later():
     ring.pending.append((0, 10, Ev("done", done=True)))
     ring.alloc(10)  # completed regions at the head are dropped without waiting
     assert log == ["event-a", "stream-b"]
+
+
+def test_view_templates_are_cached_and_bounded(monkeypatch):
+    """The lean upload's view templates: one meta tensor per shape, reused, and the cache
+    cleared when full (batches of ever new shapes do not grow it without bound)."""
+    import stpipe.pipeline as P
+
+    monkeypatch.setattr(P, "_TEMPLATES", {})
+    monkeypatch.setattr(P, "_TEMPLATES_MAX", 3)
+    a = P._template((2, 3))
+    assert a.device.type == "meta" and tuple(a.shape) == (2, 3) and P._template((2, 3)) is a
+    P._template((4,))
+    P._template(())
+    assert len(P._TEMPLATES) == 3
+    b = P._template((5, 1))
+    assert tuple(b.shape) == (5, 1) and len(P._TEMPLATES) == 1
+    flat = torch.arange(20)
+    views = P._UNFLATTEN(flat, [P._template((2, 3)), P._template((4,)), P._template(())])
+    assert [tuple(v.shape) for v in views] == [(2, 3), (4,), ()]
+    assert views[1].tolist() == [6, 7, 8, 9] and int(views[2]) == 10
