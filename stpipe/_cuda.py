@@ -185,14 +185,29 @@ def driver_calls():
     return _DRIVER_CALLS or None
 
 
-def _bind_driver_calls():
-    import os
+_COMPILED_CALLS: object = None  # None: not looked up yet; False: unavailable
 
-    if os.environ.get(_DRIVER_ENV, "1").strip() == "0":
-        return None
-    try:
-        from . import _calls
-    except ImportError:  # pragma: no cover - depends on the build
+
+def compiled_calls():
+    """:mod:`stpipe._calls`, bound to a driver or not (its packing needs no CUDA), or
+    ``None``: extension not built, or ``STPIPE_DRIVER_CALLS=0``. Looked up once."""
+    global _COMPILED_CALLS
+    if _COMPILED_CALLS is None:
+        import os
+
+        calls = False
+        if os.environ.get(_DRIVER_ENV, "1").strip() != "0":
+            try:
+                from . import _calls as calls
+            except ImportError:  # pragma: no cover - depends on the build
+                calls = False
+        _COMPILED_CALLS = calls
+    return _COMPILED_CALLS or None
+
+
+def _bind_driver_calls():
+    _calls = compiled_calls()
+    if _calls is None:
         return None
     if not _calls.bound():
         try:

@@ -125,8 +125,8 @@ import torch
 
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
-from ._cuda import driver_calls
-from ._staging import RING_BYTES, _Ring, _as_numpy, _torch_dtype, _views
+from ._cuda import compiled_calls, driver_calls
+from ._staging import RING_BYTES, _Ring, _as_numpy, _pack_compiled, _torch_dtype, _views
 from ._staging import upload as _upload
 from ._staging import upload_buffer as _upload_buffer
 from ._streams import current_stream, on_stream
@@ -172,40 +172,19 @@ def _template(shape: Tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-_PACKER: Any = None  # None: not looked up yet; False: not built
-
-
-def _packer() -> Any:
-    """:mod:`stpipe._calls` (its ``pack`` needs no CUDA), or ``None`` when not built or
-    ``STPIPE_DRIVER_CALLS=0``."""
-    global _PACKER
-    if _PACKER is None:
-        try:
-            from . import _calls
-        except ImportError:  # pragma: no cover - depends on the build
-            _calls = False
-        if os.environ.get("STPIPE_DRIVER_CALLS", "1").strip() == "0":
-            _calls = False
-        _PACKER = _calls
-    return _PACKER or None
-
-
 def _concat_ids(arrs: Sequence[np.ndarray]) -> np.ndarray:
     """The flattened int64 concatenation of id arrays, copied with the GIL released when
     they are long, int64 and C-contiguous (``stpipe._calls``), else by numpy."""
     n = sum(a.size for a in arrs)
-    calls = _packer() if n >= _PACK_MIN else None
+    calls = compiled_calls() if n >= _PACK_MIN else None
     if calls is not None and all(a.dtype == np.int64 and a.flags.c_contiguous for a in arrs):
         out = np.empty(n, dtype=np.int64)
         offs, o = [], 0
         for a in arrs:
             offs.append(o)
             o += a.nbytes
-        try:
-            calls.pack(out.__array_interface__["data"][0], arrs, offs)
+        if _pack_compiled(calls, out.__array_interface__["data"][0], arrs, offs):
             return out
-        except (ValueError, BufferError):
-            pass
     return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
 
 #: ``prefetch_delay="auto"``: the issue waits this fraction of the recent step period ...
