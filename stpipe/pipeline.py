@@ -187,6 +187,39 @@ def _concat_ids(arrs: Sequence[np.ndarray]) -> np.ndarray:
             return out
     return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
 
+def _host_tensors(source: Any, device: torch.device) -> Tuple[List[torch.Tensor], int]:
+    """The batch's CPU tensors of a dtype numpy holds (the ones the pinned upload packs),
+    each once, in the order :func:`_map_tensors` meets them; and how many distinct tensors
+    of the batch are not on ``device`` (equal to the list's length when the upload moves
+    them all)."""
+    moved: List[torch.Tensor] = []
+    seen: Dict[int, Any] = {}
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in seen:
+            if t.is_cpu:
+                seen[id(t)] = t
+                if t.dtype in _NUMPY_DTYPES:
+                    moved.append(t)
+            elif t.device != device:
+                seen[id(t)] = t
+        return t
+
+    _map_tensors(collect, source)
+    return moved, len(seen)
+
+
+def _set_aliases(tables: Iterable["_TableFlight"], alias: Optional[Mapping[int, torch.Tensor]]) -> None:
+    """Each table's ``aliases``: the device copy of each id part that was a batch tensor
+    moved with the batch (so ``emb(step.batch[...])`` takes the planned path), else None;
+    ``alias`` None: nothing moved."""
+    for tf in tables:
+        if alias is None:
+            tf.aliases = [None] * len(tf.parts)
+        else:
+            tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
+
+
 #: ``prefetch_delay="auto"``: the issue waits this fraction of the recent step period ...
 _AUTO_FRACTION = 0.3
 #: ... but no longer than leaves the issue this fraction of the period to spare
@@ -1131,18 +1164,9 @@ class Pipeline:
             arrays += [np.ascontiguousarray(pp, dtype=np.int64), np.ascontiguousarray(np_, dtype=np.int64)]
         n_idx = len(arrays)
         moved: List[torch.Tensor] = []
+        n_away = 0
         if self._cuda and self._to_device:
-            device = self.device
-            seen: Dict[int, Any] = {}
-
-            def collect(t: torch.Tensor) -> torch.Tensor:
-                if t.device != device and id(t) not in seen:
-                    seen[id(t)] = t
-                    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
-                        moved.append(t)
-                return t
-
-            _map_tensors(collect, flight.source)
+            moved, n_away = _host_tensors(flight.source, self.device)
             arrays.extend(moved)
         if self._cuda:
             # views only of what is used as a tensor (inverses, moved batch tensors); the
@@ -1179,8 +1203,7 @@ class Pipeline:
         if not (self._cuda and self._to_device):
             if self._cuda:
                 flight.dev_bufs.append(dev)  # recorded on the compute stream at entry
-            for tf in flight.tables.values():
-                tf.aliases = [None] * len(tf.parts)
+            _set_aliases(flight.tables.values(), None)
             return
         done: Dict[int, torch.Tensor] = {id(t): o for t, o in zip(moved, outs[n_idx:])}
         copies: List[torch.Tensor] = [dev]  # claimed (recorded) with the batch at entry
@@ -1200,7 +1223,7 @@ class Pipeline:
             alias[id(t)] = out
             return out
 
-        if len(moved) == len(seen):  # everything came with the one upload
+        if len(moved) == n_away:  # everything came with the one upload
             flight.batch = _map_tensors(to_device, flight.source)
         else:
             with on_stream(self._copy_stream):
@@ -1210,8 +1233,7 @@ class Pipeline:
             event.record(self._copy_stream)
         flight.batch_event = event
         flight.copies = copies
-        for tf in flight.tables.values():
-            tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
+        _set_aliases(flight.tables.values(), alias)
 
     def _upload_lean(self, flight: _Flight, pending: Sequence[Tuple[int, Any, np.ndarray, np.ndarray]]) -> bool:
         """:meth:`_upload` with few torch calls, for the usual batch (CUDA, the compiled
@@ -1245,23 +1267,10 @@ class Pipeline:
                 if any(math.prod(sh) == 0 for sh in shapes):
                     return False
                 temps64.extend(_template(sh) for sh in shapes)
-        moved: List[torch.Tensor] = []
         device = self.device
         if self._to_device:
-            seen: Dict[int, Any] = {}
-
-            def collect(t: torch.Tensor) -> torch.Tensor:
-                if id(t) not in seen:
-                    if t.is_cpu:
-                        seen[id(t)] = t
-                        if t.dtype in _NUMPY_DTYPES:
-                            moved.append(t)
-                    elif t.device != device:
-                        seen[id(t)] = t
-                return t
-
-            _map_tensors(collect, flight.source)
-            if len(moved) != len(seen):
+            moved, n_away = _host_tensors(flight.source, device)
+            if len(moved) != n_away:
                 return False  # a tensor on another GPU, or of a dtype numpy cannot hold
             for t in moved:
                 h = _as_numpy(t)
@@ -1340,8 +1349,7 @@ class Pipeline:
                 _DevIds(int(b.shape[0]), dev=dev, host=b, off=plain_off[m + 2 * q + 1], base=ptr))
         if not self._to_device:
             flight.dev_bufs.append(dev)  # recorded on the compute stream at entry
-            for tf in tf_list:
-                tf.aliases = [None] * len(tf.parts)
+            _set_aliases(tf_list, None)
             return True
         done: Dict[int, torch.Tensor] = {}
         for dt, (_, temps) in runs.items():
@@ -1361,8 +1369,7 @@ class Pipeline:
 
         flight.batch = _map_tensors(to_device, flight.source)
         flight.copies = [dev]  # claimed (recorded) with the batch at entry
-        for tf in tf_list:
-            tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
+        _set_aliases(tf_list, alias)
         return True
 
     def _claim_batch(self, flight: _Flight, cur: Any = None, wait: bool = True) -> None:

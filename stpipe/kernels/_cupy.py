@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -259,14 +259,10 @@ class _Prepared:
         words = self._words
         total = n * words
         blocks, threads = launch_shape(total, self._sms)
-        be, index = self._backend, self._index
-        direct = be._direct(index, self._name, self._word)
-        handle = stream.cuda_stream if direct is not None else 0
+        be, index, name, word = self._backend, self._index, self._name, self._word
         for part, base, count in self._groups:
-            values = (*part, ids_ptr, base, self._plane, total, words)
-            if direct is None or direct[0](direct[1], blocks, count, threads, handle, values) != 0:
-                be._run(index, self._name, self._word, (blocks, count), threads, stream, values,
-                        pointers=MANY + 2)
+            be._run(index, name, word, (blocks, count), threads, stream,
+                    (*part, ids_ptr, base, self._plane, total, words), MANY + 2)
 
 
 class _PreparedCarry:
@@ -287,11 +283,8 @@ class _PreparedCarry:
         total = n * words
         blocks, threads = launch_shape(total, self._sms)
         values = (self._src, self._dst, src_rows, dst_rows, self._sp, self._dp, total, words)
-        be = self._backend
-        direct = be._direct(self._index, "carry_many", self._word)
-        if direct is None or direct[0](direct[1], blocks, self._planes, threads, stream.cuda_stream, values) != 0:
-            be._run(self._index, "carry_many", self._word, (blocks, self._planes), threads, stream, values,
-                    pointers=4)
+        self._backend._run(self._index, "carry_many", self._word, (blocks, self._planes), threads,
+                           stream, values, 4)
 
 
 def _device_pointer_check(cp, ptr: int) -> None:
@@ -413,27 +406,26 @@ class CupyBackend:
     def _run(self, index: int, name: str, word: int, grid: Tuple[int, int], block: int,
              stream: "torch.cuda.Stream", values: Sequence[int], pointers: int) -> None:
         """Launch kernel ``name`` with ``values`` (the first ``pointers`` of them are
-        pointers, the rest 64-bit integers; all non-negative): through
-        :class:`_DriverLaunch` when it can, through CuPy otherwise."""
+        pointers, the rest 64-bit integers; all non-negative).
+
+        Three ways, the cheapest that applies: the compiled driver call
+        (:func:`stpipe._calls.launch`) straight away once the kernel's CUfunction is known
+        and its device is current in this thread (the prepared moves' every launch after
+        the first); :meth:`_fast` (looks the function up, handles the driver's errors; a
+        launch the compiled call refused is made again there); CuPy's own launch.
+        """
+        drv = self._driver
+        calls = drv._calls if drv is not None else None
+        if calls is not None:
+            fn = self._functions.get((index, name, word))
+            if fn is not None and _get_device() == index and \
+                    calls.launch(fn.ptr, grid[0], grid[1], block, stream.cuda_stream, values) == 0:
+                return
         if self._fast(index, name, word, grid, block, stream, values):
             return
         args = tuple(np.uint64(v) for v in values[:pointers]) + tuple(np.int64(v) for v in values[pointers:])
         with self._cp.cuda.Device(index):
             self._kernel(index, name, word)(grid, (block,), args, stream=self._stream(index, stream))
-
-    def _direct(self, index: int, name: str, word: int) -> Optional[Tuple[Any, int]]:
-        """``(launch, CUfunction address)`` for a prepared move's launches without the
-        Python layers of :meth:`_run` (:func:`stpipe._calls.launch`), or ``None``: no
-        compiled driver calls, the function not looked up yet (the first launch goes
-        through :meth:`_run`), or another device current in this thread. A launch that
-        returns an error is made again through :meth:`_run`, which handles it."""
-        drv = self._driver
-        if drv is None or drv._calls is None:
-            return None
-        fn = self._functions.get((index, name, word))
-        if fn is None or fn is _UNKNOWN or _get_device() != index:
-            return None
-        return drv._calls.launch, fn.ptr
 
     def _fast(self, index: int, name: str, word: int, grid: Tuple[int, int], block: int,
               stream: "torch.cuda.Stream", values: Sequence[int]) -> bool:
