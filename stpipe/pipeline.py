@@ -187,6 +187,7 @@ def _concat_ids(arrs: Sequence[np.ndarray]) -> np.ndarray:
             return out
     return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrs])
 
+
 def _host_tensors(source: Any, device: torch.device) -> Tuple[List[torch.Tensor], int]:
     """The batch's CPU tensors of a dtype numpy holds (the ones the pinned upload packs),
     each once, in the order :func:`_map_tensors` meets them; and how many distinct tensors
@@ -209,15 +210,12 @@ def _host_tensors(source: Any, device: torch.device) -> Tuple[List[torch.Tensor]
     return moved, len(seen)
 
 
-def _set_aliases(tables: Iterable["_TableFlight"], alias: Optional[Mapping[int, torch.Tensor]]) -> None:
+def _set_aliases(tables: Iterable["_TableFlight"], alias: Mapping[int, torch.Tensor]) -> None:
     """Each table's ``aliases``: the device copy of each id part that was a batch tensor
-    moved with the batch (so ``emb(step.batch[...])`` takes the planned path), else None;
-    ``alias`` None: nothing moved."""
+    moved with the batch (``alias``: id of the source tensor -> its copy; so
+    ``emb(step.batch[...])`` takes the planned path), else None."""
     for tf in tables:
-        if alias is None:
-            tf.aliases = [None] * len(tf.parts)
-        else:
-            tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
+        tf.aliases = [alias.get(id(x)) if torch.is_tensor(x) else None for x in tf.parts]
 
 
 #: ``prefetch_delay="auto"``: the issue waits this fraction of the recent step period ...
@@ -1203,7 +1201,7 @@ class Pipeline:
         if not (self._cuda and self._to_device):
             if self._cuda:
                 flight.dev_bufs.append(dev)  # recorded on the compute stream at entry
-            _set_aliases(flight.tables.values(), None)
+            _set_aliases(flight.tables.values(), {})
             return
         done: Dict[int, torch.Tensor] = {id(t): o for t, o in zip(moved, outs[n_idx:])}
         copies: List[torch.Tensor] = [dev]  # claimed (recorded) with the batch at entry
@@ -1349,7 +1347,7 @@ class Pipeline:
                 _DevIds(int(b.shape[0]), dev=dev, host=b, off=plain_off[m + 2 * q + 1], base=ptr))
         if not self._to_device:
             flight.dev_bufs.append(dev)  # recorded on the compute stream at entry
-            _set_aliases(tf_list, None)
+            _set_aliases(tf_list, {})
             return True
         done: Dict[int, torch.Tensor] = {}
         for dt, (_, temps) in runs.items():
