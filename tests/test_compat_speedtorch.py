@@ -1097,3 +1097,87 @@ def test_weak_id_map_drops_entries_with_their_keys():
     for _ in range(50):
         c = torch.zeros(2)
         assert m.get(c) is None
+
+
+def _refill_loop(device, order, fresh, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, dim=8):
+    """The pattern with Adam, every batch written into the same id buffers in place
+    (``fresh``: a new copy of the ids for every switcher call instead)."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(3)
+    model = SkipGram(B, B * (P + N), dim).to(device)
+    sw = [SpeedTorch.ModelFactory(model.u_embeddings, n_u, dim, CPUPinn=True),
+          SpeedTorch.ModelFactory(model.v_embeddings, n_v, dim, CPUPinn=True)]
+    for s in sw:
+        s.uniformDistributionInit(-0.5, 0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    osw = [SpeedTorch.OptimizerFactory(opt, n_u, dim, model, "u_embeddings", CPUPinn=True),
+           SpeedTorch.OptimizerFactory(opt, n_v, dim, model, "v_embeddings", CPUPinn=True)]
+    for o in osw:
+        o.optInit()
+    ud = torch.as_tensor(sw[0].variableTransformer(B, 1), device=device)
+    pd, nd = (torch.as_tensor(a, device=device) for a in sw[1].variableTransformer(B, P, N))
+    bufs = [np.zeros((B, 1), np.int64), np.zeros((B, P), np.int64), np.zeros((B, N), np.int64)]
+    for batch in make_batches(rng, steps, B, P, N, n_u, n_v, True):
+        for buf, ids in zip(bufs, batch):
+            buf[...] = ids  # the loader's buffers, refilled in place
+
+        def args(i):
+            got = [(bufs[0],), (bufs[1], bufs[2])][i]
+            return tuple(a.copy() for a in got) if fresh else got
+
+        before = [(sw[0], 0), (sw[1], 1), (osw[0], 0), (osw[1], 1)]
+        if order == "opt-first":
+            before = before[2:] + before[:2]
+        for s, i in before:
+            s.beforeForwardPass(*args(i))
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        after = [(sw[0], 0), (sw[1], 1), (osw[0], 0), (osw[1], 1)]
+        if order == "opt-first":
+            after = after[2:] + after[:2]
+        for s, i in after:
+            s.afterOptimizerStep(*args(i))
+    out = {name: s.getNumpyVersion() for name, s in zip("uv", sw)}
+    for name, o in zip("uv", osw):
+        out.update({f"{name}.{k}": t for k, t in o.getNumpyVersion().items()})
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", ["pattern", "opt-first"])
+def test_ids_refilled_in_place_between_steps_are_seen(device, order):
+    """Later calls of a step take its layout by the identity of the id arrays, without
+    comparing them again; the first call of the next step compares, so a loader that
+    refills the same buffers in place trains exactly as one that hands new arrays to
+    every call."""
+    refilled = _refill_loop(device, order, fresh=False)
+    fresh = _refill_loop(device, order, fresh=True)
+    assert refilled.keys() == fresh.keys()
+    for key in fresh:
+        np.testing.assert_array_equal(refilled[key], fresh[key], err_msg=key)
+
+
+def test_later_calls_of_a_step_do_not_compare_the_ids(monkeypatch):
+    """Of a step's four switcher calls for a table, only the first reads the ids again
+    (to compare them with the last step's); the other three find the layout by identity.
+    Copies of the ids, or a tensor edited in place, are compared."""
+    compared: list = []
+    real = SpeedTorch.same_ids
+    monkeypatch.setattr(SpeedTorch, "same_ids", lambda a, b: compared.append(1) or real(a, b))
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    calls = ("model-before", "opt-before", "model-after", "opt-after")
+    ids = np.array([[4, 1], [4, 7]])
+    lay = SpeedTorch._layout_for(p, ids, None, 10, calls[0])
+    for c in calls[1:]:
+        assert SpeedTorch._layout_for(p, ids, None, 10, c) is lay
+    assert compared == []
+    ids[0, 0] = 9  # the next step: the buffer refilled in place
+    nxt = SpeedTorch._layout_for(p, ids, None, 10, calls[0])
+    assert nxt is not lay and len(compared) == 1 and nxt.unique.tolist() == [1, 4, 7, 9]
+    assert SpeedTorch._layout_for(p, ids.copy(), None, 10, calls[1]) is nxt and len(compared) == 2
+    t = torch.tensor([[4, 1], [4, 7]])
+    lay = SpeedTorch._layout_for(p, t, None, 10, calls[0])
+    t[0, 0] = 9  # an edit torch counts: compared, and a new layout
+    assert SpeedTorch._layout_for(p, t, None, 10, calls[1]).unique.tolist() == [1, 4, 7, 9]

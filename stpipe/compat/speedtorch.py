@@ -675,6 +675,10 @@ class _Layout:
         self._unique_batch = IndexBatch(host=self.unique, is_sorted=True)
         #: a model switcher's fused gather of its table and its optimizer's state tables
         self.stash: Optional[_Stash] = None
+        #: the id objects last checked against ``ids`` (with tensors' versions) and the
+        #: switcher calls made on this layout since it was made (:func:`_layout_for`)
+        self.src: Tuple[Any, Any, Optional[Tuple[int, int]]] = (None, None, None)
+        self.calls: set = set()
 
     def _uids(self, store: Any) -> Any:
         if not isinstance(store, _HostStore):
@@ -941,12 +945,39 @@ _layouts = _WeakIdMap()
 _dedup_of = _WeakIdMap()
 
 
-def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int) -> _Layout:
-    """The layout of these ids for ``param``; reuses the last one when the ids match."""
+def _versions(pos: Any, neg: Any) -> Optional[Tuple[int, int]]:
+    """In-place edit counters of tensor ids (``None`` for numpy ids, which have none)."""
+    if isinstance(pos, torch.Tensor) or isinstance(neg, torch.Tensor):
+        return (getattr(pos, "_version", -1), getattr(neg, "_version", -1))
+    return None
+
+
+def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int,
+                call: Optional[str] = None) -> _Layout:
+    """The layout of these ids for ``param``; reuses the last one when the ids match.
+
+    ``call`` names the switcher call (``"model-before"``, ``"opt-after"``, ...). A call
+    given the very id objects the layout was last checked against (tensors: unedited
+    since), and not yet made on that layout, is a later call of the same step and takes
+    it without comparing the ids again. The first call of the next step has a name
+    already made on it, so it compares: ids refilled in place between steps are seen.
+    (Ids edited in place between two calls of one step are not; SpeedTorch would move
+    the rows of the edited ids.) ``None``: always compare.
+    """
     dedup = _dedup_of.get(param, True)
     last = _layouts.get(param)
-    if last is not None and last.matches(pos, neg, num_rows, dedup):
-        return last
+    if last is not None:
+        calls = last.calls
+        if (call is not None and call not in calls and pos is last.src[0] and neg is last.src[1]
+                and num_rows == last.num_rows and dedup == last.dedup
+                and (last.src[2] is None or last.src[2] == _versions(pos, neg))):
+            calls.add(call)
+            return last
+        if last.matches(pos, neg, num_rows, dedup):
+            last.src = (pos, neg, _versions(pos, neg))
+            if call is not None:
+                calls.add(call)
+            return last
     flat = _flat_ids(pos, neg)
     try:
         lay = _Layout(flat, num_rows, dedup, copy=neg is None)  # two parts: concatenated anew
@@ -959,6 +990,9 @@ def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int) -> _Layo
             except StpipeIndexError as exc:
                 raise StpipeIndexError(f"retrievedNegIndexes: {exc}") from None
         raise
+    lay.src = (pos, neg, _versions(pos, neg))
+    if call is not None:
+        lay.calls.add(call)
     _layouts[param] = lay
     return lay
 
@@ -1170,7 +1204,7 @@ class _ModelSwitch(_TableSwitch):
         """
         store = self._require()
         w = _weight_of(self.model_variable)
-        lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes, "model-before")
         opt = _opt_switch(w)
         state_stores = list(opt._tables.values()) if opt is not None and opt._tables else []
         stores = [store] + state_stores
@@ -1200,7 +1234,7 @@ class _ModelSwitch(_TableSwitch):
         """
         store = self._require()  # writes a write-back still deferred from before
         w = _weight_of(self.model_variable)
-        lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes, "model-after")
         stash = lay.stash
         if stash is not None and stash.defers_weight(store, w, _opt_switch(w)):
             # the optimizer switcher's afterOptimizerStep writes these rows in the same
@@ -1520,7 +1554,7 @@ class _OptimizerSwitch:
         """
         tables = self._require()
         p = self._param
-        lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes, "opt-before")
         state = self.given_optimizer.state[p]
         if len(state) == 0:
             _init_scalar_state(self._kind, self._group, p, state)
@@ -1541,7 +1575,7 @@ class _OptimizerSwitch:
         """
         tables = self._require()
         p = self._param
-        lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes)
+        lay = _layout_for(p, retrievedPosIndexes, retrievedNegIndexes, self.total_classes, "opt-after")
         state = self.given_optimizer.state.get(p, {})
         stash = lay.stash
         owner = stash.weight_from if stash is not None else None  # its write-back waits
