@@ -53,6 +53,11 @@ Differences from SpeedTorch (its defects, fixed):
   ``beforeForwardPass``, the other call order) writes the weight rows then. (They are
   the rows the weight holds at that moment: a change made to the weight in place between
   the two calls would be written too.)
+* **A step's ids are compared once per table**: the first switcher call of a step
+  compares its ids with the last step's; the step's later calls take its layout by the
+  identity of the id arrays (tensors also by their version counter), so buffers refilled
+  in place between steps are seen, ids edited in place between two calls of one step are
+  not (SpeedTorch would move the rows of the edited ids).
 * **No global allocator swapping**: pinned tables are page-locked in place at exact size.
 * **Optimizer switchers run on PyTorch 2.x** (SpeedTorch's step state was a Python int):
   SparseAdam, Adagrad, Adadelta, Adamax, Adam, AdamW, ASGD, RMSprop, Rprop, and also SGD,
