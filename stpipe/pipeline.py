@@ -1759,16 +1759,22 @@ def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:
     passes through an empty tensor of another dtype first.
     """
     param.grad = None
-    key = (view.dtype, view.device)
-    empty = _EMPTY.get(key)
-    if empty is None:
-        other = torch.float64 if view.dtype != torch.float64 else torch.float32
-        empty = _EMPTY.setdefault(key, torch.empty(0, dtype=other, device=view.device))
-    param.data = empty
+    param.data = _other_empty(view)
     param.data = view
 
 
-#: one empty tensor of another dtype per (dtype, device), for :func:`_set_working`
+def _other_empty(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor on ``t``'s device of a dtype other than ``t``'s (cached): what
+    ``param.data`` passes through to drop autograd's cached gradient accumulator."""
+    key = (t.dtype, t.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        other = torch.float64 if t.dtype != torch.float64 else torch.float32
+        empty = _EMPTY.setdefault(key, torch.empty(0, dtype=other, device=t.device))
+    return empty
+
+
+#: one empty tensor of another dtype per (dtype, device), for :func:`_other_empty`
 _EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 

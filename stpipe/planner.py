@@ -133,7 +133,9 @@ def as_index_array(ids: Any) -> np.ndarray:
         StpipeTypeError: float, complex, bool or object ids.
         StpipeIndexError: unsigned ids that do not fit in int64.
     """
-    if hasattr(ids, "detach") and hasattr(ids, "dtype") and hasattr(ids, "cpu"):
+    if isinstance(ids, np.ndarray):  # first: the commonest, and cheaper than hasattr misses
+        arr = ids
+    elif hasattr(ids, "detach") and hasattr(ids, "dtype") and hasattr(ids, "cpu"):
         try:  # the usual CPU integer tensor: one call (each torch call may hand the GIL over)
             arr = ids.numpy()
         except (RuntimeError, TypeError):  # on a GPU, requires grad, no numpy dtype
@@ -141,8 +143,6 @@ def as_index_array(ids: Any) -> np.ndarray:
         if arr is None or arr.dtype.kind not in "iu":
             _check_tensor_dtype(ids)
             arr = ids.detach().cpu().numpy()
-    elif isinstance(ids, np.ndarray):
-        arr = ids
     else:
         if isinstance(ids, (list, tuple)) and len(ids) == 0:
             return np.empty(0, dtype=np.int64)

@@ -102,6 +102,7 @@ from .._errors import (
 )
 from .._streams import current_stream
 from ..kernels import IndexBatch
+from ..pipeline import _other_empty
 from ..planner import _check_tensor_dtype, as_index_array, check_ids, first_repeat, plan, same_ids, scan_ids
 
 __all__ = [
@@ -673,7 +674,7 @@ class _Layout:
         self.compact = self.dedup and self.has_dups
         # ids already sorted and unique: gathering `unique` gives the layout directly
         self.identity = (not self.has_dups) and bool(np.array_equal(self.unique, self.ids))
-        self._dev: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._dev: Dict[Tuple[str, torch.device], torch.Tensor] = {}
         self._last: Optional[np.ndarray] = None
         # the unique ids as one IndexBatch shared by every host-table gather and scatter of
         # this batch (model and optimizer switchers): range-checked in O(1), uploaded once
@@ -724,7 +725,7 @@ class _Layout:
 
     def on(self, name: str, device: torch.device) -> torch.Tensor:
         """``inverse`` / ``last`` / ``ids`` as an int64 tensor on ``device`` (cached)."""
-        key = (name, str(device))
+        key = (name, device)
         got = self._dev.get(key)
         if got is None and name in ("inverse", "unique", "last") and device.type == "cuda":
             # one upload per batch and device: the inverse (the forward hook), the unique
@@ -739,9 +740,9 @@ class _Layout:
                 src["last"] = self.last_pos()
             stream = current_stream(device)
             for nm, t in zip(names, upload([src[nm] for nm in names], device, stream)):
-                self._dev[(nm, str(device))] = t
+                self._dev[(nm, device)] = t
             self._unique_batch._uploaded.setdefault(int(stream.cuda_stream),
-                                                    self._dev[("unique", str(device))])
+                                                    self._dev[("unique", device)])
             got = self._dev.get(key)
         if got is None:
             # only the array asked for (``last`` costs a pass over the ids when first made)
@@ -1036,8 +1037,7 @@ def _install(w: torch.Tensor, rows: torch.Tensor) -> None:
         if w.grad is not None and w.grad.shape != rows.shape:
             w.grad = None  # a stale gradient of another batch's shape
         if w.shape != rows.shape:
-            other = torch.float64 if rows.dtype != torch.float64 else torch.float32
-            w.data = torch.empty(0, dtype=other, device=rows.device)
+            w.data = _other_empty(rows)
         w.data = rows
 
 
