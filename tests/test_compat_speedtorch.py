@@ -918,23 +918,38 @@ def _force_fusing(monkeypatch, on: bool) -> list:
     return calls
 
 
-def _run_orders(device, opt_name, order, dups, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, dim=8):
-    """The pattern with pinned tables and the switcher calls in ``order``; returns every
-    table (weights and state) and the losses."""
+def _pinned_pattern(device, make_opt, B, P, N, n_u, n_v, dim):
+    """The skip-gram pattern's pieces with pinned tables: ``(model, [u, v] model
+    switchers, optimizer, [u, v] optimizer switchers, (u, pos, neg) dummies)``."""
     torch.manual_seed(0)
-    rng = np.random.default_rng(1)
     model = SkipGram(B, B * (P + N), dim).to(device)
     sw = [SpeedTorch.ModelFactory(model.u_embeddings, n_u, dim, CPUPinn=True),
           SpeedTorch.ModelFactory(model.v_embeddings, n_v, dim, CPUPinn=True)]
     for s in sw:
         s.uniformDistributionInit(-0.5, 0.5)
-    opt = OPTIMIZERS[opt_name](model.parameters())
+    opt = make_opt(model.parameters())
     osw = [SpeedTorch.OptimizerFactory(opt, n_u, dim, model, "u_embeddings", CPUPinn=True),
            SpeedTorch.OptimizerFactory(opt, n_v, dim, model, "v_embeddings", CPUPinn=True)]
     for o in osw:
         o.optInit()
     ud = torch.as_tensor(sw[0].variableTransformer(B, 1), device=device)
     pd, nd = (torch.as_tensor(a, device=device) for a in sw[1].variableTransformer(B, P, N))
+    return model, sw, opt, osw, (ud, pd, nd)
+
+
+def _pattern_tables(sw, osw) -> dict:
+    """Every table of :func:`_pinned_pattern`'s switchers: ``u``, ``v``, ``u.<state key>``..."""
+    out = {name: s.getNumpyVersion() for name, s in zip("uv", sw)}
+    for name, o in zip("uv", osw):
+        out.update({f"{name}.{k}": t for k, t in o.getNumpyVersion().items()})
+    return out
+
+
+def _run_orders(device, opt_name, order, dups, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, dim=8):
+    """The pattern with pinned tables and the switcher calls in ``order``; returns every
+    table (weights and state) and the losses."""
+    model, sw, opt, osw, (ud, pd, nd) = _pinned_pattern(device, OPTIMIZERS[opt_name], B, P, N, n_u, n_v, dim)
+    rng = np.random.default_rng(1)
     batches = make_batches(rng, steps, B, P, N, n_u, n_v, dups != "unique")
     if dups == "same-batch":  # identical consecutive batches: one layout object reused
         batches = [batches[0]] * steps
@@ -965,13 +980,7 @@ def _run_orders(device, opt_name, order, dups, steps=6, B=4, P=2, N=3, n_u=30, n
         for s, a in after:
             s.afterOptimizerStep(*a)
         losses.append(float(loss.detach()))
-    out = {"losses": np.array(losses)}
-    for name, s in zip("uv", sw):
-        out[name] = s.getNumpyVersion()
-    for name, o in zip("uv", osw):
-        for key, t in o.getNumpyVersion().items():
-            out[f"{name}.{key}"] = t
-    return out
+    return {"losses": np.array(losses), **_pattern_tables(sw, osw)}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1102,20 +1111,8 @@ def test_weak_id_map_drops_entries_with_their_keys():
 def _refill_loop(device, order, fresh, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, dim=8):
     """The pattern with Adam, every batch written into the same id buffers in place
     (``fresh``: a new copy of the ids for every switcher call instead)."""
-    torch.manual_seed(0)
+    model, sw, opt, osw, (ud, pd, nd) = _pinned_pattern(device, OPTIMIZERS["Adam"], B, P, N, n_u, n_v, dim)
     rng = np.random.default_rng(3)
-    model = SkipGram(B, B * (P + N), dim).to(device)
-    sw = [SpeedTorch.ModelFactory(model.u_embeddings, n_u, dim, CPUPinn=True),
-          SpeedTorch.ModelFactory(model.v_embeddings, n_v, dim, CPUPinn=True)]
-    for s in sw:
-        s.uniformDistributionInit(-0.5, 0.5)
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    osw = [SpeedTorch.OptimizerFactory(opt, n_u, dim, model, "u_embeddings", CPUPinn=True),
-           SpeedTorch.OptimizerFactory(opt, n_v, dim, model, "v_embeddings", CPUPinn=True)]
-    for o in osw:
-        o.optInit()
-    ud = torch.as_tensor(sw[0].variableTransformer(B, 1), device=device)
-    pd, nd = (torch.as_tensor(a, device=device) for a in sw[1].variableTransformer(B, P, N))
     bufs = [np.zeros((B, 1), np.int64), np.zeros((B, P), np.int64), np.zeros((B, N), np.int64)]
     for batch in make_batches(rng, steps, B, P, N, n_u, n_v, True):
         for buf, ids in zip(bufs, batch):
@@ -1139,10 +1136,7 @@ def _refill_loop(device, order, fresh, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, d
             after = after[2:] + after[:2]
         for s, i in after:
             s.afterOptimizerStep(*args(i))
-    out = {name: s.getNumpyVersion() for name, s in zip("uv", sw)}
-    for name, o in zip("uv", osw):
-        out.update({f"{name}.{k}": t for k, t in o.getNumpyVersion().items()})
-    return out
+    return _pattern_tables(sw, osw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
