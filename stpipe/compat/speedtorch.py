@@ -686,6 +686,12 @@ class _Layout:
         self.src: Tuple[Any, Any, Optional[Tuple[int, int]]] = (None, None, None)
         self.calls: set = set()
 
+    def checked(self, pos: Any, neg: Any, call: Optional[str]) -> None:
+        """Note that ``pos``/``neg`` were found to hold this layout's ids, by ``call``."""
+        self.src = (pos, neg, _versions(pos, neg))
+        if call is not None:
+            self.calls.add(call)
+
     def _uids(self, store: Any) -> Any:
         if not isinstance(store, _HostStore):
             return self.unique
@@ -980,9 +986,7 @@ def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int,
             calls.add(call)
             return last
         if last.matches(pos, neg, num_rows, dedup):
-            last.src = (pos, neg, _versions(pos, neg))
-            if call is not None:
-                calls.add(call)
+            last.checked(pos, neg, call)
             return last
     flat = _flat_ids(pos, neg)
     try:
@@ -996,9 +1000,7 @@ def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int,
             except StpipeIndexError as exc:
                 raise StpipeIndexError(f"retrievedNegIndexes: {exc}") from None
         raise
-    lay.src = (pos, neg, _versions(pos, neg))
-    if call is not None:
-        lay.calls.add(call)
+    lay.checked(pos, neg, call)
     _layouts[param] = lay
     return lay
 
