@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import stpipe.compat.speedtorch as SpeedTorch
-from test_compat_speedtorch import SkipGram, make_batches, oracle, assert_same, run_pattern
+from test_compat_speedtorch import (SkipGram, _force_fusing, _pattern_tables, _pinned_pattern, assert_same,
+                                    make_batches, oracle, run_pattern)
 
 pytestmark = pytest.mark.gpu
 
@@ -316,3 +317,64 @@ def test_weight_write_back_waits_for_the_state_and_every_reader_sees_it(reader, 
     tables = of.getNumpyVersion()
     for key, want in state.items():
         np.testing.assert_array_equal(tables[key][order], want)
+
+
+def _moves_loop(steps=12, B=64, P=4, N=8, n_u=3000, n_v=5000, dim=16):
+    """The Adam skip-gram pattern with pinned tables on random Zipf-like batches; returns
+    every table and the losses."""
+    model, sw, opt, osw, (ud, pd, nd) = _pinned_pattern(
+        "cuda", lambda ps: torch.optim.Adam(ps, lr=0.05), B, P, N, n_u, n_v, dim)
+    rng = np.random.default_rng(3)
+    losses = []
+    for _ in range(steps):
+        u = rng.zipf(1.3, B) % n_u
+        pos, neg = rng.zipf(1.3, (B, P)) % n_v, rng.integers(0, n_v, (B, N))
+        sw[0].beforeForwardPass(u)
+        sw[1].beforeForwardPass(pos, neg)
+        osw[0].beforeForwardPass(u)
+        osw[1].beforeForwardPass(pos, neg)
+        loss = model(ud, pd, nd)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for s, a in ((sw[0], (u,)), (sw[1], (pos, neg)), (osw[0], (u,)), (osw[1], (pos, neg))):
+            s.afterOptimizerStep(*a)
+        losses.append(float(loss.detach()))
+    return {"losses": np.array(losses), **_pattern_tables(sw, osw)}
+
+
+def test_fused_moves_are_prepared_once_per_buffer(monkeypatch):
+    """The model switchers launch their fused gathers and write-backs directly, from
+    launches prepared once per plane buffer (the caching allocator hands the same blocks
+    back step after step), without going through ``gather_many``/``scatter_many``; the
+    tables end bit-identical to moving each table alone."""
+    from stpipe import host
+
+    prepared, launched, many = [], [], []
+    real_prepare, real_call = host._prepare_move, host._PreparedMove.__call__
+
+    def prepare(op, tables, planes):
+        prepared.append((op, planes.data_ptr(), planes.shape[0], planes.stride(0), *map(id, tables)))
+        return real_prepare(op, tables, planes)
+
+    monkeypatch.setattr(host, "_prepare_move", prepare)
+    monkeypatch.setattr(host._PreparedMove, "__call__",
+                        lambda self, *a: launched.append(self.write) or real_call(self, *a))
+    for name in ("gather_many", "scatter_many"):
+        real = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda *a, _r=real, **k: many.append(1) or _r(*a, **k))
+    monkeypatch.setattr(SpeedTorch._Moves, "MAX", 10_000)  # no clearing: repeats would show
+    steps = 12
+    fused = _moves_loop(steps, dim=128)
+    if not launched:
+        pytest.skip("CuPy's fused kernels do not load here")
+    # every step: a gather and a write-back for u and for v (batches with duplicates)
+    assert len(launched) == 4 * steps and sum(launched) == 2 * steps
+    assert many == []  # all launched directly
+    assert 0 < len(prepared) == len(set(prepared))  # each buffer geometry prepared once
+    monkeypatch.undo()
+    _force_fusing(monkeypatch, False)
+    plain = _moves_loop(steps, dim=128)
+    assert fused.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)

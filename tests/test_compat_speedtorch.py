@@ -1175,3 +1175,40 @@ def test_later_calls_of_a_step_do_not_compare_the_ids(monkeypatch):
     lay = SpeedTorch._layout_for(p, t, None, 10, calls[0])
     t[0, 0] = 9  # an edit torch counts: compared, and a new layout
     assert SpeedTorch._layout_for(p, t, None, 10, calls[1]).unique.tolist() == [1, 4, 7, 9]
+
+
+def test_moves_ask_fusable_once_per_stores_and_forget_them(monkeypatch):
+    """A model switcher asks whether its table and its optimizer's state tables can move
+    in one launch once, not per step; a new table (an initialiser) or new state tables
+    (``optInit``) are asked about again, and a new table drops the launches prepared for
+    the old one."""
+    asked: list = []
+    monkeypatch.setattr(SpeedTorch, "_fusable", lambda stores, device: asked.append(len(stores)) or False)
+    model, sw, opt, osw, (ud, pd, nd) = _pinned_pattern(
+        "cpu", lambda ps: torch.optim.Adam(ps, lr=0.1), B=4, P=2, N=3, n_u=30, n_v=40, dim=8)
+    rng = np.random.default_rng(0)
+
+    def step():
+        u, pos, neg = rng.integers(0, 30, 4), rng.integers(0, 40, (4, 2)), rng.integers(0, 40, (4, 3))
+        sw[0].beforeForwardPass(u)
+        sw[1].beforeForwardPass(pos, neg)
+        osw[0].beforeForwardPass(u)
+        osw[1].beforeForwardPass(pos, neg)
+        model(ud, pd, nd).backward()
+        opt.step()
+        opt.zero_grad()
+        for s, a in ((sw[0], (u,)), (sw[1], (pos, neg)), (osw[0], (u,)), (osw[1], (pos, neg))):
+            s.afterOptimizerStep(*a)
+
+    for _ in range(5):
+        step()
+    assert asked == [3, 3]  # u and v: the weight and Adam's two state tables, once each
+    osw[1].optInit()  # new state tables for v
+    step()
+    assert asked == [3, 3, 3]
+    moves = sw[0]._moves
+    moves._prepared[("gather", 0, 3, 0, 0)] = None  # stands for a prepared launch
+    sw[0].zerosInit()  # a new u table: what was prepared for the old one is dropped
+    assert moves._prepared == {} and moves.stores == ()
+    step()
+    assert asked == [3, 3, 3, 3]

@@ -774,32 +774,49 @@ class _Layout:
         return store.gather(self.ids.astype(np.int64, copy=False), device,
                             self._dev_ids(store, "ids"))
 
-    def gather_planes(self, stores: List["_HostStore"], device: torch.device) -> torch.Tensor:
+    def gather_planes(self, stores: List["_HostStore"], device: torch.device,
+                      moves: Optional["_Moves"] = None) -> torch.Tensor:
         """``(len(stores), weight_rows, dim)`` on ``device``: every store's rows in this
-        layout, by one fused UVA launch (:func:`stpipe.host.gather_many`; the caller
-        checked :func:`_fusable`). Stream: the current one."""
+        layout, by one fused UVA launch (the caller checked :func:`_fusable`; ``moves``,
+        the switcher's prepared launches, when it holds these stores). Stream: the
+        current one."""
         from ..host import gather_many
 
         s0 = stores[0]
         uids = self._uids(s0)
         # planes strided by a rounded capacity: the same geometry recurs from batch to
-        # batch, so the fused move's launch arguments are reused (host._prepare_move_cached)
+        # batch, so the fused move's launch arguments are reused
         cap = -(-max(self.k, 1) // _CAP_ROUND) * _CAP_ROUND
         buf = torch.empty((len(stores), cap, s0.dim), dtype=s0.dtype, device=device)[:, :self.k]
-        gather_many([s.table for s in stores], uids, buf)
+        move = moves.prepared("gather", stores, 0, buf) if moves is not None else None
+        if move is None:
+            gather_many([s.table for s in stores], uids, buf)
+        elif self.k:
+            move(self.on("unique", device).data_ptr(), self.k, current_stream(device))
         if self.compact or self.identity:
             return buf
         return buf.index_select(1, self.on("inverse", device))
 
-    def scatter_planes(self, stores: List["_HostStore"], planes: torch.Tensor) -> None:
+    def scatter_planes(self, stores: List["_HostStore"], planes: torch.Tensor,
+                       moves: Optional["_Moves"] = None, lo: int = 0) -> None:
         """The mirror of :meth:`gather_planes`: ``planes[g]`` (this layout's rows) back to
-        ``stores[g]``, one write per unique id, by one fused launch."""
+        ``stores[g]``, one write per unique id, by one fused launch (``moves``: as there,
+        ``stores`` being its stores from ``lo`` on). Stream: the current one, which
+        ``record_stream`` keeps ``planes`` alive for; the tables record their event."""
         from ..host import scatter_many
 
         planes = planes.detach()
+        move = None
         if not (self.compact or self.identity):
             planes = planes.index_select(1, self.on("last", planes.device))
-        scatter_many([s.table for s in stores], self._uids(stores[0]), planes)
+        elif moves is not None:
+            move = moves.prepared("scatter", stores, lo, planes)
+        if move is None:
+            scatter_many([s.table for s in stores], self._uids(stores[0]), planes)
+        elif self.k:
+            s = current_stream(planes.device)
+            planes.record_stream(s)
+            move(self.on("unique", planes.device).data_ptr(), self.k, s)
         for st in stores:
             st.version += 1
 
@@ -831,11 +848,14 @@ class _Stash:
     it owns, when it is called, as without the fusing.
     """
 
-    __slots__ = ("planes", "stores", "versions", "taken", "weight_from")
+    __slots__ = ("planes", "stores", "versions", "taken", "weight_from", "moves")
 
-    def __init__(self, planes: torch.Tensor, stores: List["_HostStore"]) -> None:
+    def __init__(self, planes: torch.Tensor, stores: List["_HostStore"],
+                 moves: Optional["_Moves"] = None) -> None:
         self.planes = planes
         self.stores = list(stores)
+        #: the gathering switcher's prepared launches, for the write-back (or None)
+        self.moves = moves
         self.versions = [st.version for st in stores]
         self.taken: Dict[int, torch.Tensor] = {}  # g -> the tensor installed in the state
         #: the model switcher whose weight write-back waits for the state's (or None)
@@ -883,6 +903,65 @@ class _Stash:
             if g < 0 or state.get(key) is not self.taken.get(g) or store.version != self.versions[g]:
                 return False
         return True
+
+
+class _Moves:
+    """A model switcher's fused moves, prepared once per plane buffer.
+
+    :meth:`_Layout.gather_planes` allocates its planes per batch from the caching
+    allocator, which hands back the same few blocks from step to step; this keeps the
+    :func:`stpipe.host._prepare_move` result of each (op, buffer address, plane count,
+    plane stride) so a step launches directly, without :func:`~stpipe.host.gather_many`'s
+    per-call checks and cache key (the layout's plan has range-checked the ids). Valid
+    for one list of stores: :meth:`fusable` forgets everything when the stores change (a
+    new table or optimizer state), and the switcher drops it when its table goes.
+    """
+
+    __slots__ = ("stores", "device", "fused", "_prepared")
+
+    #: prepared moves kept at most (the allocator's blocks recur; more means churn)
+    MAX = 16
+
+    def __init__(self) -> None:
+        self.stores: Tuple[Any, ...] = ()
+        self.device: Optional[torch.device] = None
+        self.fused = False
+        self._prepared: Dict[Tuple[str, int, int, int], Any] = {}
+
+    def fusable(self, stores: List[Any], device: torch.device) -> bool:
+        """:func:`_fusable` of ``stores`` on ``device``, asked once per list of stores."""
+        old = self.stores
+        if (device != self.device or len(old) != len(stores)
+                or any(a is not b for a, b in zip(old, stores))):
+            self.stores, self.device = tuple(stores), device
+            self.fused = _fusable(stores, device)
+            self._prepared.clear()
+        return self.fused
+
+    def prepared(self, op: str, stores: List[Any], lo: int, planes: torch.Tensor) -> Any:
+        """The prepared ``op`` of ``stores`` over ``planes``, a ``(g, k, dim)`` view of a
+        ``(g, cap, dim)`` buffer, where ``stores`` are those last given to :meth:`fusable`
+        from ``lo`` on; ``None`` otherwise, or where no fused kernel moves them (use the
+        ``*_many`` call then)."""
+        g = planes.shape[0]
+        mine = self.stores
+        if (not self.fused or g != len(stores) or lo + g > len(mine)
+                or any(a is not b for a, b in zip(stores, mine[lo:lo + g]))):
+            return None
+        key = (op, lo, g, planes.data_ptr(), planes.stride(0))
+        got = self._prepared.get(key, False)
+        if got is False:
+            from ..host import _prepare_move
+
+            if len(self._prepared) >= self.MAX:
+                self._prepared.clear()
+            tables = [s.table for s in stores]
+            got = self._prepared[key] = _prepare_move(op, tables, planes)
+        return got
+
+    def clear(self) -> None:
+        self.stores, self.device, self.fused = (), None, False
+        self._prepared.clear()
 
 
 def _fusable(stores: List[Any], device: torch.device) -> bool:
@@ -1093,6 +1172,9 @@ class _TableSwitch:
         """Free the table, forgetting a write-back deferred for it (the table is being
         replaced or closed)."""
         self._drop_pending()
+        moves = getattr(self, "_moves", None)
+        if moves is not None:
+            moves.clear()
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -1161,6 +1243,8 @@ class _ModelSwitch(_TableSwitch):
         self._dedup = bool(dedup)
         _dedup_of[w] = self._dedup
         self._layout: Optional[_Layout] = None
+        #: prepared fused launches over this table and its optimizer's state tables
+        self._moves = _Moves()
         self._hook = model_variable.register_forward_pre_hook(self._remap_hook, with_kwargs=True)
 
     def _rows_device(self) -> torch.device:
@@ -1215,11 +1299,12 @@ class _ModelSwitch(_TableSwitch):
         opt = _opt_switch(w)
         state_stores = list(opt._tables.values()) if opt is not None and opt._tables else []
         stores = [store] + state_stores
-        if _fusable(stores, w.device):
+        moves = self._moves
+        if moves.fusable(stores, w.device):
             # the weight and the optimizer's state rows of the batch in one launch; the
             # optimizer switcher's beforeForwardPass installs the state planes
-            planes = lay.gather_planes(stores, w.device)
-            lay.stash = _Stash(planes, stores)
+            planes = lay.gather_planes(stores, w.device, moves)
+            lay.stash = _Stash(planes, stores, moves)
             rows = planes[0]
         else:
             rows = lay.gather(store, w.device)
@@ -1592,9 +1677,9 @@ class _OptimizerSwitch:
             # model switcher left them for this launch
             if owner is not None:
                 owner._drop_pending()
-                lay.scatter_planes(stash.stores, stash.planes)
+                lay.scatter_planes(stash.stores, stash.planes, stash.moves)
             else:
-                lay.scatter_planes(stash.stores[1:], stash.planes[1:])
+                lay.scatter_planes(stash.stores[1:], stash.planes[1:], stash.moves, lo=1)
             lay.stash = None
             return
         if owner is not None:
