@@ -910,8 +910,8 @@ class _Moves:
 
     :meth:`_Layout.gather_planes` allocates its planes per batch from the caching
     allocator, which hands back the same few blocks from step to step; this keeps the
-    :func:`stpipe.host._prepare_move` result of each (op, buffer address, plane count,
-    plane stride) so a step launches directly, without :func:`~stpipe.host.gather_many`'s
+    :func:`stpipe.host._prepare_move` result of each (op, first store, plane count,
+    buffer address, plane stride) so a step launches directly, without :func:`~stpipe.host.gather_many`'s
     per-call checks and cache key (the layout's plan has range-checked the ids). Valid
     for one list of stores: :meth:`fusable` forgets everything when the stores change (a
     new table or optimizer state), and the switcher drops it when its table goes.
@@ -926,7 +926,7 @@ class _Moves:
         self.stores: Tuple[Any, ...] = ()
         self.device: Optional[torch.device] = None
         self.fused = False
-        self._prepared: Dict[Tuple[str, int, int, int], Any] = {}
+        self._prepared: Dict[Tuple[str, int, int, int, int], Any] = {}
 
     def fusable(self, stores: List[Any], device: torch.device) -> bool:
         """:func:`_fusable` of ``stores`` on ``device``, asked once per list of stores."""
