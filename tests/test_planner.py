@@ -48,7 +48,7 @@ def test_compiled_planner_is_built():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     data=st.data(),
-    num_rows=st.sampled_from([1, 2, 7, 1000, 65536, 65537, 10_000_000, 2**31 - 1, 2**40]),
+    num_rows=st.sampled_from([1, 2, 7, 1000, 8192, 8193, 65536, 65537, 10_000_000, 2**31 - 1, 2**40]),
     dtype=st.sampled_from([np.int32, np.int64]),
     shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=40),
     dup_pool=st.integers(min_value=1, max_value=5000),
@@ -65,7 +65,8 @@ def test_plan_matches_numpy_unique(impl, data, num_rows, dtype, shape, dup_pool)
 @pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize(
     "case",
-    ["one_repeated", "all_distinct", "max_id", "near_2_31", "uniform_big", "zipf", "sorted", "reversed"],
+    ["one_repeated", "all_distinct", "max_id", "near_2_31", "uniform_big", "zipf", "sorted", "reversed",
+     "window_edge"],
 )
 def test_plan_edge_cases(impl, case, dtype):
     rng = np.random.default_rng(0)
@@ -86,6 +87,8 @@ def test_plan_edge_cases(impl, case, dtype):
         ids = z[z <= num_rows][:131_072] - 1
     elif case == "sorted":
         ids = np.sort(rng.integers(0, num_rows, 30_000))
+    elif case == "window_edge":  # ids on both sides of the counting window's end (2**13)
+        ids = rng.choice(np.array([0, 8190, 8191, 8192, 8193, 65535, 65536, num_rows - 1]), 3000)
     else:
         ids = np.sort(rng.integers(0, num_rows, 30_000))[::-1]
     ids = ids.astype(dtype)
