@@ -911,10 +911,11 @@ class _Moves:
     :meth:`_Layout.gather_planes` allocates its planes per batch from the caching
     allocator, which hands back the same few blocks from step to step; this keeps the
     :func:`stpipe.host._prepare_move` result of each (op, first store, plane count,
-    buffer address, plane stride) so a step launches directly, without :func:`~stpipe.host.gather_many`'s
-    per-call checks and cache key (the layout's plan has range-checked the ids). Valid
-    for one list of stores: :meth:`fusable` forgets everything when the stores change (a
-    new table or optimizer state), and the switcher drops it when its table goes.
+    buffer address, plane stride) so a step launches directly, without
+    :func:`~stpipe.host.gather_many`'s per-call checks and cache key (the layout's plan
+    has range-checked the ids). Valid for one list of stores: :meth:`fusable` forgets
+    everything when the stores change (a new table or optimizer state), and the switcher
+    drops it when its table goes.
     """
 
     __slots__ = ("stores", "device", "fused", "_prepared")
