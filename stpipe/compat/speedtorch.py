@@ -86,7 +86,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -869,9 +869,7 @@ class _Stash:
         if opt is None or self.stores[0] is not store or self.weight_from is not None:
             return False
         tables = opt._tables or {}
-        if len(tables) != len(self.stores) - 1 or len(self.taken) != len(tables):
-            return False
-        if any(a is not b for a, b in zip(tables.values(), self.stores[1:])):
+        if len(self.taken) != len(tables) or not _same_objects(list(tables.values()), self.stores[1:]):
             return False
         rows = self.planes[0]
         return w.data_ptr() == rows.data_ptr() and w.shape == rows.shape
@@ -931,9 +929,7 @@ class _Moves:
 
     def fusable(self, stores: List[Any], device: torch.device) -> bool:
         """:func:`_fusable` of ``stores`` on ``device``, asked once per list of stores."""
-        old = self.stores
-        if (device != self.device or len(old) != len(stores)
-                or any(a is not b for a, b in zip(old, stores))):
+        if device != self.device or not _same_objects(self.stores, stores):
             self.stores, self.device = tuple(stores), device
             self.fused = _fusable(stores, device)
             self._prepared.clear()
@@ -945,9 +941,7 @@ class _Moves:
         from ``lo`` on; ``None`` otherwise, or where no fused kernel moves them (use the
         ``*_many`` call then)."""
         g = planes.shape[0]
-        mine = self.stores
-        if (not self.fused or g != len(stores) or lo + g > len(mine)
-                or any(a is not b for a, b in zip(stores, mine[lo:lo + g]))):
+        if not self.fused or g != len(stores) or not _same_objects(stores, self.stores[lo:lo + g]):
             return None
         key = (op, lo, g, planes.data_ptr(), planes.stride(0))
         got = self._prepared.get(key, False)
@@ -963,6 +957,11 @@ class _Moves:
     def clear(self) -> None:
         self.stores, self.device, self.fused = (), None, False
         self._prepared.clear()
+
+
+def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects, in order (identity, not ``==``)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _fusable(stores: List[Any], device: torch.device) -> bool:
@@ -1141,6 +1140,8 @@ class _TableSwitch:
     #: ``(layout, stash)``; written by :meth:`_require` before anything else reads or
     #: writes the table (see :meth:`_ModelSwitch.afterOptimizerStep`)
     _pending: Optional[Tuple["_Layout", "_Stash"]] = None
+    #: a model switcher's prepared fused launches (:class:`_Moves`; set by ``_attach``)
+    _moves: Optional["_Moves"] = None
 
     def _setup_table(self, total_classes: Any, embed_dimension: Any, datatype: Any) -> None:
         self.total_classes = _check_count("total_classes", total_classes)
@@ -1173,9 +1174,8 @@ class _TableSwitch:
         """Free the table, forgetting a write-back deferred for it (the table is being
         replaced or closed)."""
         self._drop_pending()
-        moves = getattr(self, "_moves", None)
-        if moves is not None:
-            moves.clear()
+        if self._moves is not None:
+            self._moves.clear()
         if self._store is not None:
             self._store.close()
             self._store = None
