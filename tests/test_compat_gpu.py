@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import stpipe.compat.speedtorch as SpeedTorch
-from test_compat_speedtorch import (SkipGram, _force_fusing, _pattern_tables, _pinned_pattern, assert_same,
-                                    make_batches, oracle, run_pattern)
+from test_compat_speedtorch import (SkipGram, _force_fusing, _pattern_step, _pattern_tables, _pinned_pattern,
+                                    assert_same, make_batches, oracle, run_pattern)
 
 pytestmark = pytest.mark.gpu
 
@@ -319,26 +319,17 @@ def test_weight_write_back_waits_for_the_state_and_every_reader_sees_it(reader, 
         np.testing.assert_array_equal(tables[key][order], want)
 
 
-def _moves_loop(steps=12, B=64, P=4, N=8, n_u=3000, n_v=5000, dim=16):
+def _moves_loop(steps=12, B=64, P=4, N=8, n_u=3000, n_v=5000, dim=16, device="cuda"):
     """The Adam skip-gram pattern with pinned tables on random Zipf-like batches; returns
     every table and the losses."""
-    model, sw, opt, osw, (ud, pd, nd) = _pinned_pattern(
-        "cuda", lambda ps: torch.optim.Adam(ps, lr=0.05), B, P, N, n_u, n_v, dim)
+    model, sw, opt, osw, dummies = _pinned_pattern(
+        device, lambda ps: torch.optim.Adam(ps, lr=0.05), B, P, N, n_u, n_v, dim)
     rng = np.random.default_rng(3)
     losses = []
     for _ in range(steps):
         u = rng.zipf(1.3, B) % n_u
         pos, neg = rng.zipf(1.3, (B, P)) % n_v, rng.integers(0, n_v, (B, N))
-        sw[0].beforeForwardPass(u)
-        sw[1].beforeForwardPass(pos, neg)
-        osw[0].beforeForwardPass(u)
-        osw[1].beforeForwardPass(pos, neg)
-        loss = model(ud, pd, nd)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        for s, a in ((sw[0], (u,)), (sw[1], (pos, neg)), (osw[0], (u,)), (osw[1], (pos, neg))):
-            s.afterOptimizerStep(*a)
+        loss = _pattern_step(model, sw, opt, osw, dummies, u, pos, neg)
         losses.append(float(loss.detach()))
     return {"losses": np.array(losses), **_pattern_tables(sw, osw)}
 

@@ -937,6 +937,22 @@ def _pinned_pattern(device, make_opt, B, P, N, n_u, n_v, dim):
     return model, sw, opt, osw, (ud, pd, nd)
 
 
+def _pattern_step(model, sw, opt, osw, dummies, u, pos, neg) -> torch.Tensor:
+    """One Adam step of :func:`_pinned_pattern`'s pieces on the ids ``u``, ``pos``,
+    ``neg``, the switchers called in the documented order; returns the loss."""
+    sw[0].beforeForwardPass(u)
+    sw[1].beforeForwardPass(pos, neg)
+    osw[0].beforeForwardPass(u)
+    osw[1].beforeForwardPass(pos, neg)
+    loss = model(*dummies)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    for s, a in ((sw[0], (u,)), (sw[1], (pos, neg)), (osw[0], (u,)), (osw[1], (pos, neg))):
+        s.afterOptimizerStep(*a)
+    return loss
+
+
 def _pattern_tables(sw, osw) -> dict:
     """Every table of :func:`_pinned_pattern`'s switchers: ``u``, ``v``, ``u.<state key>``..."""
     out = {name: s.getNumpyVersion() for name, s in zip("uv", sw)}
@@ -1184,21 +1200,13 @@ def test_moves_ask_fusable_once_per_stores_and_forget_them(monkeypatch):
     the old one."""
     asked: list = []
     monkeypatch.setattr(SpeedTorch, "_fusable", lambda stores, device: asked.append(len(stores)) or False)
-    model, sw, opt, osw, (ud, pd, nd) = _pinned_pattern(
+    model, sw, opt, osw, dummies = _pinned_pattern(
         "cpu", lambda ps: torch.optim.Adam(ps, lr=0.1), B=4, P=2, N=3, n_u=30, n_v=40, dim=8)
     rng = np.random.default_rng(0)
 
     def step():
         u, pos, neg = rng.integers(0, 30, 4), rng.integers(0, 40, (4, 2)), rng.integers(0, 40, (4, 3))
-        sw[0].beforeForwardPass(u)
-        sw[1].beforeForwardPass(pos, neg)
-        osw[0].beforeForwardPass(u)
-        osw[1].beforeForwardPass(pos, neg)
-        model(ud, pd, nd).backward()
-        opt.step()
-        opt.zero_grad()
-        for s, a in ((sw[0], (u,)), (sw[1], (pos, neg)), (osw[0], (u,)), (osw[1], (pos, neg))):
-            s.afterOptimizerStep(*a)
+        _pattern_step(model, sw, opt, osw, dummies, u, pos, neg)
 
     for _ in range(5):
         step()
