@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ._cuda import driver_calls
+from ._streams import _get as _get_stream
 from ._streams import current_stream, on_stream
 
 __all__ = ["upload", "RING_BYTES"]
@@ -32,6 +33,26 @@ __all__ = ["upload", "RING_BYTES"]
 #: pinned buffer).
 RING_BYTES = 8 << 20
 _ALIGN = 256
+
+#: ``torch._C._nn.unflatten_dense_tensors(flat, templates)``: views of ``flat`` back to
+#: back, one per template (its shape), made by one call. Each torch call of a helper
+#: thread may hand the GIL to the training thread and wait to take it back, so an upload
+#: makes all its views of one dtype with one (:func:`upload`, ``Pipeline._upload_lean``).
+_UNFLATTEN = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
+#: shape -> a meta tensor of that shape (a template for :data:`_UNFLATTEN`); cleared
+#: when it reaches :data:`_TEMPLATES_MAX` shapes (batches of ever new shapes)
+_TEMPLATES: Dict[Tuple[int, ...], torch.Tensor] = {}
+_TEMPLATES_MAX = 4096
+
+
+def _template(shape: Tuple[int, ...]) -> torch.Tensor:
+    t = _TEMPLATES.get(shape)
+    if t is None:
+        if len(_TEMPLATES) >= _TEMPLATES_MAX:
+            _TEMPLATES.clear()
+        t = _TEMPLATES.setdefault(shape, torch.empty(shape, dtype=torch.uint8, device="meta"))
+    return t
+
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
@@ -134,14 +155,72 @@ def upload(arrays: Sequence[ArrayLike], device: torch.device,
         on ``stream`` (see the module docstring for use on other streams); with
         ``event=True`` the pair ``(tensors, event)``.
     """
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     hosts = [_as_numpy(a) for a in arrays]
     if device.type != "cuda":
         views = [torch.from_numpy(h) for h in hosts]
         return (views, None) if event else views
+    packed = _upload_packed(hosts, device, stream)
+    if packed is not None:
+        return packed if event else packed[0]
     dev, offsets, ev = upload_buffer(hosts, device, stream, event=event)
     views = _views(dev, hosts, offsets)
     return (views, ev) if event else views
+
+
+def _upload_packed(hosts: Sequence[np.ndarray], device: torch.device,
+                   stream: "torch.cuda.Stream | None"):
+    """:func:`upload`'s usual case in few calls: arrays of one dtype, none empty, that
+    fit half the ring, with the compiled driver calls. The arrays go back to back (one
+    dtype: each stays aligned to its item size) into a device buffer of that dtype, are
+    packed into the ring and copied by one :func:`stpipe._calls.pack_htod` (one release
+    of the GIL), and come back as views made by one :data:`_UNFLATTEN` call. Returns
+    ``(views, event)``, the event recorded behind the copy (it guards the ring region),
+    or ``None`` with nothing done (the general path then runs).
+
+    Stream: as :func:`upload` (the buffer is allocated on ``stream``, the copy runs there).
+    """
+    calls = driver_calls()
+    if calls is None or _UNFLATTEN is None or not hosts:
+        return None
+    dt = hosts[0].dtype
+    offsets: List[int] = []
+    nbytes = 0
+    for h in hosts:
+        if h.dtype != dt or h.size == 0:
+            return None
+        offsets.append(nbytes)
+        nbytes += h.nbytes
+    ring = _ring(device)
+    total = -(-nbytes // _ALIGN) * _ALIGN
+    if total > ring.size // 2:
+        return None
+    tdt = _torch_dtype(dt)
+    if stream is None:
+        stream = current_stream(device)
+        cur = True
+    else:
+        idx = stream.device_index
+        cur = _get_stream is not None and device.index == idx and _get_stream(idx)[0] == stream.stream_id
+    with ring.lock:
+        base = ring.alloc(total)
+        if cur:
+            dev = torch.empty(nbytes // dt.itemsize, dtype=tdt, device=device)
+        else:
+            with on_stream(stream):
+                dev = torch.empty(nbytes // dt.itemsize, dtype=tdt, device=device)
+        try:  # packed and copied in one release of the GIL
+            err = calls.pack_htod(ring.ptr + base, hosts, offsets, dev.data_ptr(), nbytes, stream.cuda_stream)
+        except (ValueError, BufferError):
+            return None  # not C-contiguous after all; the region stays free (no guard)
+        if err != 0:  # the driver refused the copy (packed already): torch copies it
+            with on_stream(stream):
+                dev.copy_(ring.buf[base:base + nbytes].view(tdt), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        ring.pending.append((base, base + total, ev))
+    return list(_UNFLATTEN(dev, [_template(h.shape) for h in hosts])), ev
 
 
 def upload_buffer(hosts: Sequence[np.ndarray], device: torch.device,

@@ -126,7 +126,7 @@ import torch
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from .embedding import HostEmbedding, _Binding, _Part
 from ._cuda import compiled_calls, driver_calls
-from ._staging import RING_BYTES, _Ring, _as_numpy, _pack_compiled, _torch_dtype, _views
+from ._staging import _UNFLATTEN, RING_BYTES, _Ring, _as_numpy, _pack_compiled, _template, _torch_dtype, _views
 from ._staging import upload as _upload
 from ._staging import upload_buffer as _upload_buffer
 from ._streams import current_stream, on_stream
@@ -149,27 +149,9 @@ _POLL = 0.05
 #: a prefetch delay shorter than this is slept through (``close()`` waits at most this)
 _SLEEP_MAX = 0.02
 
-#: ``torch._C._nn.unflatten_dense_tensors(flat, templates)``: views of ``flat`` back to
-#: back, one per template (its shape), made by one call. Each torch call of the prefetch
-#: thread may hand the GIL to the training thread and wait to take it back, so the issue
-#: makes all of a batch's views with one (:meth:`Pipeline._upload_lean`).
-_UNFLATTEN = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
-#: shape -> a meta tensor of that shape (a template for :data:`_UNFLATTEN`); cleared
-#: when it reaches :data:`_TEMPLATES_MAX` shapes (batches of ever new shapes)
-_TEMPLATES: Dict[Tuple[int, ...], torch.Tensor] = {}
-_TEMPLATES_MAX = 4096
 #: id arrays at least this long are concatenated by :func:`stpipe._calls.pack` (GIL
 #: released) rather than ``np.concatenate``
 _PACK_MIN = 4096
-
-
-def _template(shape: Tuple[int, ...]) -> torch.Tensor:
-    t = _TEMPLATES.get(shape)
-    if t is None:
-        if len(_TEMPLATES) >= _TEMPLATES_MAX:
-            _TEMPLATES.clear()
-        t = _TEMPLATES.setdefault(shape, torch.empty(shape, dtype=torch.uint8, device="meta"))
-    return t
 
 
 def _concat_ids(arrs: Sequence[np.ndarray]) -> np.ndarray:

@@ -269,6 +269,62 @@ def test_upload_ring_is_asynchronous_and_exact(path, monkeypatch):
             assert np.array_equal(a.cpu().numpy(), b)
 
 
+@pytest.mark.parametrize("copy", ["driver", "refused"])
+@pytest.mark.parametrize("where", ["current", "side"])
+def test_upload_of_one_dtype_takes_the_packed_path(where, copy, monkeypatch):
+    """Arrays of one dtype go through _upload_packed (one pack_htod, views by one
+    unflatten call): exact values and shapes (2-d and 0-d included) across ring wraps, on
+    the current stream or another one, with the event of ``event=True`` behind the copy;
+    when the driver refuses the copy, torch copies the packed bytes instead. Mixed dtypes
+    and empty arrays take the general path."""
+    from stpipe import _cuda, _staging
+
+    real = _cuda.driver_calls()
+    if real is None:
+        pytest.skip("stpipe._calls not built or libcuda.so.1 not loadable")
+    if copy == "refused":
+        class Refusing:  # packs, then reports the copy refused; the rest as the real calls
+            def pack_htod(self, dst, arrays, offsets, dev, nbytes, stream):
+                real.pack(dst, arrays, offsets)
+                return 1
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        monkeypatch.setattr(_staging, "driver_calls", lambda: Refusing())
+    taken = []
+    packed = _staging._upload_packed
+
+    def counting(*a):
+        out = packed(*a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_staging, "_upload_packed", counting)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = torch.cuda.current_stream() if where == "current" else torch.cuda.Stream()
+    rng = np.random.default_rng(1)
+    got, want = [], []
+    for i in range(300):  # ~30 MB: the 8 MiB ring wraps several times
+        n = int(rng.integers(1, 20000))
+        arrs = [rng.integers(-(1 << 40), 1 << 40, n), rng.integers(0, 9, (int(rng.integers(1, 9)), 3)),
+                np.array(i, dtype=np.int64)]
+        views, ev = _staging.upload(arrs, dev, s, event=True)
+        got.append((views, ev))
+        want.append(arrs)
+    assert taken == [True] * 300
+    mixed = _staging.upload([np.arange(5), np.ones(3, np.float32)], dev, s)
+    empty = _staging.upload([np.arange(5), np.arange(0)], dev, s)
+    assert taken[300:] == [False, False]
+    for (views, ev), arrs in zip(got, want):
+        ev.synchronize()
+        for a, b in zip(views, arrs):
+            assert a.device == dev and a.dtype == torch.int64 and tuple(a.shape) == b.shape
+            assert np.array_equal(a.cpu().numpy(), b)
+    s.synchronize()
+    assert mixed[1].tolist() == [1.0, 1.0, 1.0] and empty[0].tolist() == [0, 1, 2, 3, 4] and empty[1].numel() == 0
+
+
 @pytest.mark.parametrize("path", ["compiled", "ctypes", "cupy-launch"])
 def test_cupy_backend_launch_paths(path, monkeypatch):
     """The CuPy backend launches through cuLaunchKernel (stpipe._calls, or its ctypes

@@ -815,7 +815,7 @@ def test_ring_alloc_waits_for_guards_recorded_later():
 def test_view_templates_are_cached_and_bounded(monkeypatch):
     """The lean upload's view templates: one meta tensor per shape, reused, and the cache
     cleared when full (batches of ever new shapes do not grow it without bound)."""
-    import stpipe.pipeline as P
+    import stpipe._staging as P
 
     monkeypatch.setattr(P, "_TEMPLATES", {})
     monkeypatch.setattr(P, "_TEMPLATES_MAX", 3)
