@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from ._cuda import driver_calls
-from ._streams import _get as _get_stream
 from ._streams import current_stream, on_stream
 
 __all__ = ["upload", "RING_BYTES"]
@@ -199,17 +198,10 @@ def _upload_packed(hosts: Sequence[np.ndarray], device: torch.device,
     tdt = _torch_dtype(dt)
     if stream is None:
         stream = current_stream(device)
-        cur = True
-    else:
-        idx = stream.device_index
-        cur = _get_stream is not None and device.index == idx and _get_stream(idx)[0] == stream.stream_id
     with ring.lock:
         base = ring.alloc(total)
-        if cur:
+        with on_stream(stream):  # sets nothing when ``stream`` is already current
             dev = torch.empty(nbytes // dt.itemsize, dtype=tdt, device=device)
-        else:
-            with on_stream(stream):
-                dev = torch.empty(nbytes // dt.itemsize, dtype=tdt, device=device)
         try:  # packed and copied in one release of the GIL
             err = calls.pack_htod(ring.ptr + base, hosts, offsets, dev.data_ptr(), nbytes, stream.cuda_stream)
         except (ValueError, BufferError):
