@@ -280,6 +280,8 @@ class _TableFlight:
     views: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = field(default=None, repr=False)
     #: what the embedding's forward needs during the step (made with the views)
     binding: Optional[_Binding] = field(default=None, repr=False)
+    #: a C++ reference to each of :attr:`part_inverse` for the step (:func:`_hold`)
+    holds: List[Any] = field(default_factory=list, repr=False)
 
     @property
     def k(self) -> int:
@@ -368,7 +370,7 @@ def _gate_enabled() -> bool:
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
-    def __init__(self, num_slots: int, depth: int):
+    def __init__(self, num_slots: int, depth: int, gate_at_grad: bool = False):
         self.stop = threading.Event()
         self.free_slots: "queue.Queue[int]" = queue.Queue()
         for s in range(num_slots):
@@ -377,7 +379,10 @@ class _Run:
         self.thread: Optional[threading.Thread] = None
         self.where = "starting"
         self.closed = False
-        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
+        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and (gate_at_grad or _gate_enabled()) else None
+        #: the gate opens when the step's first lookup's gradient is ready (in its
+        #: backward) instead of at the lookup itself
+        self.gate_at_grad = gate_at_grad and self.gate is not None
         #: ``time.perf_counter()`` when the training thread last freed each slot
         self.freed: Dict[int, float] = {}
         self._last_free: Optional[float] = None
@@ -644,6 +649,12 @@ class Pipeline:
             weight is in none of the given optimizers, one table given twice, a negative
             or non-finite ``prefetch_delay``, or a string other than ``"auto"``.
     """
+
+    #: hold each lookup's index tensor for the step (:func:`_make_hold`); a class
+    #: attribute so that an A/B can turn it off on one instance
+    _hold_indices = True
+    #: experiment: open the prefetch gate at the first lookup's gradient (private)
+    _gate_at_grad = False
 
     def __init__(
         self,
@@ -927,7 +938,7 @@ class Pipeline:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
-        run = _Run(self._num_slots, self.depth)
+        run = _Run(self._num_slots, self.depth, gate_at_grad=self._gate_at_grad)
         self._run = run
         self._inflight.clear()
         try:
@@ -1440,13 +1451,18 @@ class Pipeline:
         only installs them. The views stay valid until the step ends: only this flight
         re-makes its slot (:meth:`_Slots.ensure`), and then makes the views again.
         """
-        opened = None if gate is None else (lambda: gate.open(flight.index))
+        opened = None if gate is None else (lambda *_: gate.open(flight.index))
+        at_grad = self._run is not None and self._run.gate_at_grad
+        hold = _HOLD if self._hold_indices else None
         for name, tf in flight.tables.items():
             tf.views = self._slots[name].views(flight.slot, tf.k, tf.keys)
+            if hold is not None:
+                tf.holds = [hold(inv) for inv in tf.part_inverse]
             tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
-                                  unique=tf.plan.unique, on_lookup=opened)
+                                  unique=tf.plan.unique, on_lookup=None if at_grad else opened,
+                                  on_grad=opened if at_grad else None)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
                      keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
@@ -1729,6 +1745,32 @@ class Pipeline:
                 for key in rest:
                     d = slots.state(g.slot, key, gtf.k)
                     d.index_copy_(0, np_.tensor(), slots.state(f.slot, key, ftf.k).index_select(0, pp.tensor()))
+
+
+def _make_hold() -> Optional[Callable[[torch.Tensor], Any]]:
+    """What :meth:`Pipeline._stage` holds each lookup's index tensor with, or None.
+
+    Why: in PyTorch's PyObject preservation (``c10/util/intrusive_ptr.h``) a tensor that
+    Python has seen increfs its PyObject when its C++ reference count goes from 1 to 2 and
+    decrefs it when the count goes back to 1, both under the GIL. The lookup's
+    ``EmbeddingBackward`` node saves the index tensor (count 2: the PyObject and the
+    node) and releases it in ``backward()``, on autograd's device thread: 2 -> 1, so that
+    thread takes the GIL once per lookup, and waits there while the prefetch thread holds
+    it. A DLPack capsule holds one more C++ reference for the step (no copy, no stream
+    work), so the release goes 3 -> 2 and takes no GIL; the capsule is dropped with the
+    flight, on a thread that holds the GIL anyway. Measured: benchmarks/RESULTS.md, stop 35.
+    """
+    try:
+        from torch.utils.dlpack import to_dlpack
+
+        to_dlpack(torch.zeros(2, dtype=torch.int64))
+    except Exception:  # noqa: BLE001 - an optimisation only: no hold
+        return None
+    return to_dlpack
+
+
+#: see :func:`_make_hold`
+_HOLD = _make_hold()
 
 
 def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:

@@ -830,3 +830,69 @@ def test_view_templates_are_cached_and_bounded(monkeypatch):
     views = P._UNFLATTEN(flat, [P._template((2, 3)), P._template((4,)), P._template(())])
     assert [tuple(v.shape) for v in views] == [(2, 3), (4,), ()]
     assert views[1].tolist() == [6, 7, 8, 9] and int(views[2]) == 10
+
+
+# ------------------------------------------------- index tensors held for the step
+@pytest.mark.parametrize("depth", [0, 1])
+def test_lookup_index_tensors_are_held_for_the_step(depth):
+    """Each part's inverse (what ``torch.embedding`` saves for backward) has a DLPack
+    capsule that aliases it for the step: same memory, shape and values."""
+    emb = HostEmbedding(NUM_ROWS, DIM)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    rng = np.random.default_rng(0)
+    batches = [{"a": rng.integers(0, NUM_ROWS, size=(4, 5)), "b": rng.integers(0, NUM_ROWS, size=7)}
+               for _ in range(3)]
+    seen = 0
+    with Pipeline(emb, opt, depth=depth, ids=lambda b: (b["a"], b["b"])) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                a, b = step.ids
+                loss = emb(a).sum() + emb(b).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            tf = step._flight.tables[None]
+            assert len(tf.holds) == len(tf.part_inverse) == 2
+            for hold, inv in zip(tf.holds, tf.part_inverse):
+                back = torch.utils.dlpack.from_dlpack(hold)
+                assert back.data_ptr() == inv.data_ptr()
+                assert back.shape == inv.shape and torch.equal(back, inv)
+                seen += 1
+    assert seen == 6
+
+
+def _refs_after_backward(hold: bool) -> int:
+    """``sys.getrefcount`` of the step's index tensor right after ``backward()``."""
+    import sys
+
+    emb = HostEmbedding(NUM_ROWS, DIM)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    pipe = Pipeline(emb, opt, depth=0)
+    pipe._hold_indices = hold
+    n = None
+    with pipe:
+        for step in pipe.run([np.arange(10, 30)]):
+            with step:
+                emb(step.ids).sum().backward()
+                inv = step._flight.tables[None].part_inverse[0]
+                n = sys.getrefcount(inv)
+                opt.step()
+                opt.zero_grad()
+    return n
+
+
+def test_held_index_tensor_keeps_its_cpp_reference_through_backward():
+    """In PyTorch's PyObject preservation a C++ reference beyond the first increfs the
+    tensor's PyObject; without the hold, backward releases the lookup's saved index (the
+    release that takes the GIL on autograd's thread), with it a C++ reference remains."""
+    import sys
+
+    from torch.utils.dlpack import to_dlpack
+
+    t = torch.zeros(3, dtype=torch.int64)
+    before = sys.getrefcount(t)
+    cap = to_dlpack(t)
+    if sys.getrefcount(t) != before + 1:
+        pytest.skip(f"this PyTorch ({torch.__version__}) does not incref a tensor's PyObject for C++ references")
+    del cap
+    assert _refs_after_backward(True) == _refs_after_backward(False) + 1
