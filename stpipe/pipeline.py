@@ -653,6 +653,8 @@ class Pipeline:
     #: hold each lookup's index tensor for the step (:func:`_make_hold`); a class
     #: attribute so that an A/B can turn it off on one instance
     _hold_indices = True
+    #: hold the lookups' differentiable outputs for the step too (experiment)
+    _hold_outputs = False
     #: experiment: open the prefetch gate at the first lookup's gradient (private)
     _gate_at_grad = False
 
@@ -1462,7 +1464,8 @@ class Pipeline:
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
                                   unique=tf.plan.unique, on_lookup=None if at_grad else opened,
-                                  on_grad=opened if at_grad else None)
+                                  on_grad=opened if at_grad else None,
+                                  outputs=[] if self._hold_outputs else None)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
                      keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
@@ -1575,6 +1578,10 @@ class Pipeline:
         compute = step._compute_stream
         for emb in self.tables.values():
             emb._bind(None)
+        for tf in f.tables.values():  # the step's lookups are done with
+            tf.holds = []
+            if tf.binding is not None and tf.binding.outputs:
+                tf.binding.outputs = []
         if run is not None and run.gate is not None:
             run.gate.open(f.index)  # a step without lookups, or one that failed
         err: Optional[BaseException] = None

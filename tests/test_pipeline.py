@@ -836,7 +836,8 @@ def test_view_templates_are_cached_and_bounded(monkeypatch):
 @pytest.mark.parametrize("depth", [0, 1])
 def test_lookup_index_tensors_are_held_for_the_step(depth):
     """Each part's inverse (what ``torch.embedding`` saves for backward) has a DLPack
-    capsule that aliases it for the step: same memory, shape and values."""
+    capsule that aliases it during the step (same memory, shape and values); the
+    capsules are dropped when the step ends."""
     emb = HostEmbedding(NUM_ROWS, DIM)
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     rng = np.random.default_rng(0)
@@ -851,13 +852,14 @@ def test_lookup_index_tensors_are_held_for_the_step(depth):
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            tf = step._flight.tables[None]
-            assert len(tf.holds) == len(tf.part_inverse) == 2
-            for hold, inv in zip(tf.holds, tf.part_inverse):
-                back = torch.utils.dlpack.from_dlpack(hold)
-                assert back.data_ptr() == inv.data_ptr()
-                assert back.shape == inv.shape and torch.equal(back, inv)
-                seen += 1
+                tf = step._flight.tables[None]
+                assert len(tf.holds) == len(tf.part_inverse) == 2
+                for hold, inv in zip(tf.holds, tf.part_inverse):
+                    back = torch.utils.dlpack.from_dlpack(hold)
+                    assert back.data_ptr() == inv.data_ptr()
+                    assert back.shape == inv.shape and torch.equal(back, inv)
+                    seen += 1
+            assert tf.holds == []  # dropped when the step ends
     assert seen == 6
 
 
