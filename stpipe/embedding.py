@@ -59,11 +59,6 @@ class _Binding:
     _unique_dev: Optional[torch.Tensor] = field(default=None, repr=False)
     #: called by the step's lookups (the pipeline's prefetch gate); ``None``: nothing to call
     on_lookup: Optional[Callable[[], None]] = field(default=None, repr=False)
-    #: hooked on the gradient of the step's first lookup that needs one, then cleared
-    on_grad: Optional[Callable[[Any], None]] = field(default=None, repr=False)
-    #: a view of each differentiable lookup output, holding it for the step (the pipeline
-    #: clears it at the step's exit); ``None``: not held. See ``stpipe.pipeline._make_hold``
-    outputs: Optional[List[torch.Tensor]] = field(default=None, repr=False)
 
     def unique_on(self, device: torch.device) -> torch.Tensor:
         if self._unique_dev is None:
@@ -321,14 +316,7 @@ class HostEmbedding(nn.Module):
         for part in b.parts:
             if part.ids is ids or (part.alias is not None and part.alias is ids):
                 # F.embedding without its Python checks (no padding_idx, no max_norm)
-                out = torch.embedding(self.weight, part.inverse)
-                if out.requires_grad:
-                    if b.outputs is not None:
-                        b.outputs.append(out.view_as(out))
-                    if b.on_grad is not None:
-                        out.register_hook(b.on_grad)
-                        b.on_grad = None
-                return out
+                return torch.embedding(self.weight, part.inverse)
         return F.embedding(self._locate(b, ids), self.weight)
 
     def _locate(self, b: _Binding, ids: Any) -> torch.Tensor:

@@ -208,7 +208,7 @@ _AUTO_SLACK = 0.1
 _AUTO_HISTORY = 8
 
 
-def _auto_delay(periods: Sequence[float], issues: Sequence[float]) -> float:
+def _auto_delay(periods: Sequence[float], issues: Sequence[float], fraction: float = _AUTO_FRACTION) -> float:
     """Seconds the prefetch thread waits under ``prefetch_delay="auto"``.
 
     ``periods``: recent times between the training thread's slot frees (one per step);
@@ -223,7 +223,7 @@ def _auto_delay(periods: Sequence[float], issues: Sequence[float]) -> float:
         return 0.0
     p = _median(periods)
     i = _median(issues) if issues else 0.0
-    return max(0.0, min(_AUTO_FRACTION * p, (1.0 - _AUTO_SLACK) * p - i))
+    return max(0.0, min(fraction * p, (1.0 - _AUTO_SLACK) * p - i))
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -370,7 +370,7 @@ def _gate_enabled() -> bool:
 class _Run:
     """The state of one ``Pipeline.run`` (thread, queues, stop flag)."""
 
-    def __init__(self, num_slots: int, depth: int, gate_at_grad: bool = False):
+    def __init__(self, num_slots: int, depth: int):
         self.stop = threading.Event()
         self.free_slots: "queue.Queue[int]" = queue.Queue()
         for s in range(num_slots):
@@ -379,10 +379,7 @@ class _Run:
         self.thread: Optional[threading.Thread] = None
         self.where = "starting"
         self.closed = False
-        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and (gate_at_grad or _gate_enabled()) else None
-        #: the gate opens when the step's first lookup's gradient is ready (in its
-        #: backward) instead of at the lookup itself
-        self.gate_at_grad = gate_at_grad and self.gate is not None
+        self.gate: Optional[_Gate] = _Gate() if depth >= 1 and _gate_enabled() else None
         #: ``time.perf_counter()`` when the training thread last freed each slot
         self.freed: Dict[int, float] = {}
         self._last_free: Optional[float] = None
@@ -653,10 +650,9 @@ class Pipeline:
     #: hold each lookup's index tensor for the step (:func:`_make_hold`); a class
     #: attribute so that an A/B can turn it off on one instance
     _hold_indices = True
-    #: hold the lookups' differentiable outputs for the step too (experiment)
-    _hold_outputs = False
-    #: experiment: open the prefetch gate at the first lookup's gradient (private)
-    _gate_at_grad = False
+    #: the ``"auto"`` delay's fraction of the step period (:func:`_auto_delay`); an
+    #: instance may set its own (an A/B)
+    _auto_fraction = _AUTO_FRACTION
 
     def __init__(
         self,
@@ -940,7 +936,7 @@ class Pipeline:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
-        run = _Run(self._num_slots, self.depth, gate_at_grad=self._gate_at_grad)
+        run = _Run(self._num_slots, self.depth)
         self._run = run
         self._inflight.clear()
         try:
@@ -1093,7 +1089,7 @@ class Pipeline:
         if isinstance(d, str):  # "auto"
             if not self._auto_waits:
                 return True
-            d = _auto_delay(list(run.periods), list(run.issues))
+            d = _auto_delay(list(run.periods), list(run.issues), self._auto_fraction)
         if d <= 0.0:
             return True
         wait = t0 + d - time.perf_counter()
@@ -1453,8 +1449,7 @@ class Pipeline:
         only installs them. The views stay valid until the step ends: only this flight
         re-makes its slot (:meth:`_Slots.ensure`), and then makes the views again.
         """
-        opened = None if gate is None else (lambda *_: gate.open(flight.index))
-        at_grad = self._run is not None and self._run.gate_at_grad
+        opened = None if gate is None else (lambda: gate.open(flight.index))
         hold = _HOLD if self._hold_indices else None
         for name, tf in flight.tables.items():
             tf.views = self._slots[name].views(flight.slot, tf.k, tf.keys)
@@ -1463,9 +1458,7 @@ class Pipeline:
             tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
-                                  unique=tf.plan.unique, on_lookup=None if at_grad else opened,
-                                  on_grad=opened if at_grad else None,
-                                  outputs=[] if self._hold_outputs else None)
+                                  unique=tf.plan.unique, on_lookup=opened)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
                      keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
@@ -1580,8 +1573,6 @@ class Pipeline:
             emb._bind(None)
         for tf in f.tables.values():  # the step's lookups are done with
             tf.holds = []
-            if tf.binding is not None and tf.binding.outputs:
-                tf.binding.outputs = []
         if run is not None and run.gate is not None:
             run.gate.open(f.index)  # a step without lookups, or one that failed
         err: Optional[BaseException] = None
