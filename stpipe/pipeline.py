@@ -113,6 +113,7 @@ import itertools
 import math
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -653,6 +654,10 @@ class Pipeline:
     #: the ``"auto"`` delay's fraction of the step period (:func:`_auto_delay`); an
     #: instance may set its own (an A/B)
     _auto_fraction = _AUTO_FRACTION
+    #: experiment: the interpreter's switch interval (seconds) while the prefetch thread
+    #: issues a batch, so that a thread waiting for the GIL (autograd's, in backward())
+    #: forces a switch after this long instead of 5 ms; None: left alone
+    _issue_switch_interval: Optional[float] = None
 
     def __init__(
         self,
@@ -1064,7 +1069,15 @@ class Pipeline:
                 if not self._wait_delay(run, idx, slot):
                     return
                 t_issue = time.perf_counter()
-                self._issue(flight, run)
+                si = self._issue_switch_interval
+                if si is not None:
+                    si_old = sys.getswitchinterval()
+                    sys.setswitchinterval(si)
+                try:
+                    self._issue(flight, run)
+                finally:
+                    if si is not None:
+                        sys.setswitchinterval(si_old)
                 run.issues.append(time.perf_counter() - t_issue)
                 slot = None  # owned by the flight now
                 run.where = f"handing batch {idx} to the training thread"
