@@ -113,7 +113,6 @@ import itertools
 import math
 import os
 import queue
-import sys
 import threading
 import time
 import warnings
@@ -281,7 +280,7 @@ class _TableFlight:
     views: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = field(default=None, repr=False)
     #: what the embedding's forward needs during the step (made with the views)
     binding: Optional[_Binding] = field(default=None, repr=False)
-    #: a C++ reference to each of :attr:`part_inverse` for the step (:func:`_hold`)
+    #: a C++ reference to each of :attr:`part_inverse` until the step's exit (:func:`_make_hold`)
     holds: List[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -654,10 +653,6 @@ class Pipeline:
     #: the ``"auto"`` delay's fraction of the step period (:func:`_auto_delay`); an
     #: instance may set its own (an A/B)
     _auto_fraction = _AUTO_FRACTION
-    #: experiment: the interpreter's switch interval (seconds) while the prefetch thread
-    #: issues a batch, so that a thread waiting for the GIL (autograd's, in backward())
-    #: forces a switch after this long instead of 5 ms; None: left alone
-    _issue_switch_interval: Optional[float] = None
 
     def __init__(
         self,
@@ -1069,15 +1064,7 @@ class Pipeline:
                 if not self._wait_delay(run, idx, slot):
                     return
                 t_issue = time.perf_counter()
-                si = self._issue_switch_interval
-                if si is not None:
-                    si_old = sys.getswitchinterval()
-                    sys.setswitchinterval(si)
-                try:
-                    self._issue(flight, run)
-                finally:
-                    if si is not None:
-                        sys.setswitchinterval(si_old)
+                self._issue(flight, run)
                 run.issues.append(time.perf_counter() - t_issue)
                 slot = None  # owned by the flight now
                 run.where = f"handing batch {idx} to the training thread"
@@ -1768,8 +1755,10 @@ def _make_hold() -> Optional[Callable[[torch.Tensor], Any]]:
     node) and releases it in ``backward()``, on autograd's device thread: 2 -> 1, so that
     thread takes the GIL once per lookup, and waits there while the prefetch thread holds
     it. A DLPack capsule holds one more C++ reference for the step (no copy, no stream
-    work), so the release goes 3 -> 2 and takes no GIL; the capsule is dropped with the
-    flight, on a thread that holds the GIL anyway. Measured: benchmarks/RESULTS.md, stop 35.
+    work), so the release goes 3 -> 2 and takes no GIL; the capsule is dropped at the
+    step's exit, by the training thread, which holds the GIL anyway. Measured in
+    benchmarks/RESULTS.md (stop 35): the device thread's GIL acquisitions per backward()
+    of the skip-gram step go from 13 to 10; the step's time gained is within the noise.
     """
     try:
         from torch.utils.dlpack import to_dlpack
