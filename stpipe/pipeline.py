@@ -35,6 +35,9 @@ How a batch travels (depth ``d >= 1``; ``S = d + 1`` slots of staging buffers pe
    (:func:`_auto_delay`); or a fixed number of seconds; or not at all (``0``). The issue
    then runs while the step's ``backward()`` waits without the GIL rather than during its
    entry and forward pass, which need the GIL too. Timing only: no result depends on it.
+   (The backward is not free of the GIL: autograd's thread takes it to release each saved
+   tensor Python has seen. The lookups' index tensors are held until the step's exit, so
+   their releases take none; see :func:`_make_hold`.)
 2. It takes a snapshot of the batches *in flight* (gathered and not yet finished) and
    computes the planner's ``overlap`` of ``j`` with each of them, off the lock. Then one
    asynchronous copy on the copy stream, through the pipeline's own pinned upload ring,
