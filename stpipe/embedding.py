@@ -59,6 +59,10 @@ class _Binding:
     _unique_dev: Optional[torch.Tensor] = field(default=None, repr=False)
     #: called by the step's lookups (the pipeline's prefetch gate); ``None``: nothing to call
     on_lookup: Optional[Callable[[], None]] = field(default=None, repr=False)
+    #: a view of each differentiable lookup output of the step, which holds the output
+    #: until the pipeline clears the list at the step's exit; ``None``: not held. Why:
+    #: ``stpipe.pipeline._make_hold``
+    outputs: Optional[List[torch.Tensor]] = field(default=None, repr=False)
 
     def unique_on(self, device: torch.device) -> torch.Tensor:
         if self._unique_dev is None:
@@ -316,7 +320,10 @@ class HostEmbedding(nn.Module):
         for part in b.parts:
             if part.ids is ids or (part.alias is not None and part.alias is ids):
                 # F.embedding without its Python checks (no padding_idx, no max_norm)
-                return torch.embedding(self.weight, part.inverse)
+                out = torch.embedding(self.weight, part.inverse)
+                if b.outputs is not None and out.requires_grad:
+                    b.outputs.append(out.view_as(out))
+                return out
         return F.embedding(self._locate(b, ids), self.weight)
 
     def _locate(self, b: _Binding, ids: Any) -> torch.Tensor:

@@ -653,6 +653,9 @@ class Pipeline:
     #: hold each lookup's index tensor for the step (:func:`_make_hold`); a class
     #: attribute so that an A/B can turn it off on one instance
     _hold_indices = True
+    #: hold the lookups' differentiable outputs for the step too (a view of each: the
+    #: ``einsum``/``bmm`` of a loss saves views of them, whose release decrefs them)
+    _hold_outputs = True
     #: the ``"auto"`` delay's fraction of the step period (:func:`_auto_delay`); an
     #: instance may set its own (an A/B)
     _auto_fraction = _AUTO_FRACTION
@@ -1461,7 +1464,8 @@ class Pipeline:
             tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
-                                  unique=tf.plan.unique, on_lookup=opened)
+                                  unique=tf.plan.unique, on_lookup=opened,
+                                  outputs=[] if self._hold_outputs else None)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
                      keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
@@ -1576,6 +1580,8 @@ class Pipeline:
             emb._bind(None)
         for tf in f.tables.values():  # the step's lookups are done with
             tf.holds = []
+            if tf.binding is not None and tf.binding.outputs:
+                tf.binding.outputs = []
         if run is not None and run.gate is not None:
             run.gate.open(f.index)  # a step without lookups, or one that failed
         err: Optional[BaseException] = None
@@ -1759,7 +1765,10 @@ def _make_hold() -> Optional[Callable[[torch.Tensor], Any]]:
     thread takes the GIL once per lookup, and waits there while the prefetch thread holds
     it. A DLPack capsule holds one more C++ reference for the step (no copy, no stream
     work), so the release goes 3 -> 2 and takes no GIL; the capsule is dropped at the
-    step's exit, by the training thread, which holds the GIL anyway. Measured in
+    step's exit, by the training thread, which holds the GIL anyway. The lookups' outputs
+    are held the same way, by a view of each (:class:`stpipe.embedding._Binding`
+    ``outputs``; DLPack refuses tensors that require grad): a loss's ``einsum``/``bmm``
+    saves views of them, and releasing such a view releases its base. Measured in
     benchmarks/RESULTS.md (stop 35): the device thread's GIL acquisitions per backward()
     of the skip-gram step go from 13 to 10; the step's time gained is within the noise.
     """

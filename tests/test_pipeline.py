@@ -898,3 +898,28 @@ def test_held_index_tensor_keeps_its_cpp_reference_through_backward():
         pytest.skip(f"this PyTorch ({torch.__version__}) does not incref a tensor's PyObject for C++ references")
     del cap
     assert _refs_after_backward(True) == _refs_after_backward(False) + 1
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_lookup_outputs_are_held_until_the_step_ends(depth):
+    """Each differentiable lookup output is held by a view of it during the step (so the
+    release of a loss's views of it in backward takes no GIL); lookups without grad are
+    not held; the views are dropped when the step ends."""
+    emb = HostEmbedding(NUM_ROWS, DIM)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, NUM_ROWS, size=(3, 4)) for _ in range(3)]
+    with Pipeline(emb, opt, depth=depth) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                u = emb(step.ids)
+                v = emb(step.ids)
+                with torch.no_grad():
+                    emb(step.ids)  # not differentiable: not held
+                held = emb._binding.outputs
+                assert len(held) == 2
+                assert all(h._base is o for h, o in zip(held, (u, v)))
+                (u * v).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            assert step._flight.tables[None].binding.outputs == []
