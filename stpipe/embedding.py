@@ -63,6 +63,9 @@ class _Binding:
     #: until the pipeline clears the list at the step's exit; ``None``: not held. Why:
     #: ``stpipe.pipeline._make_hold``
     outputs: Optional[List[torch.Tensor]] = field(default=None, repr=False)
+    #: bytes of lookup outputs :attr:`outputs` may still hold this step (a step that runs
+    #: many forward/backward passes, e.g. gradient accumulation, keeps bounded memory)
+    outputs_room: int = field(default=0, repr=False)
 
     def unique_on(self, device: torch.device) -> torch.Tensor:
         if self._unique_dev is None:
@@ -322,7 +325,10 @@ class HostEmbedding(nn.Module):
                 # F.embedding without its Python checks (no padding_idx, no max_norm)
                 out = torch.embedding(self.weight, part.inverse)
                 if b.outputs is not None and out.requires_grad:
-                    b.outputs.append(out.view_as(out))
+                    n = out.nbytes
+                    if n <= b.outputs_room:
+                        b.outputs_room -= n
+                        b.outputs.append(out.view_as(out))
                 return out
         return F.embedding(self._locate(b, ids), self.weight)
 

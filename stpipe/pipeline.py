@@ -1465,7 +1465,8 @@ class Pipeline:
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
                                   unique=tf.plan.unique, on_lookup=opened,
-                                  outputs=[] if self._hold_outputs else None)
+                                  outputs=[] if self._hold_outputs else None,
+                                  outputs_room=_HOLD_OUTPUT_BYTES)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
                      keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
@@ -1785,6 +1786,9 @@ def _make_hold() -> Optional[Callable[[torch.Tensor], Any]]:
 
 #: see :func:`_make_hold`
 _HOLD = _make_hold()
+#: at most this many bytes of one table's lookup outputs are held per step (the skip-gram
+#: benchmark's step holds 17 MB); lookups past it are not held, only not sped up
+_HOLD_OUTPUT_BYTES = 256 << 20
 
 
 def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:

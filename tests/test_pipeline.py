@@ -923,3 +923,21 @@ def test_lookup_outputs_are_held_until_the_step_ends(depth):
                 opt.step()
                 opt.zero_grad()
             assert step._flight.tables[None].binding.outputs == []
+
+
+def test_lookup_outputs_held_are_bounded_per_step(monkeypatch):
+    """Past ``_HOLD_OUTPUT_BYTES`` of one table's outputs in a step (e.g. gradient
+    accumulation over many micro-batches) lookups are not held; training is unchanged."""
+    monkeypatch.setattr(pipeline_mod, "_HOLD_OUTPUT_BYTES", 3 * (3 * 4 * DIM * 4))  # three (3, 4) lookups
+    emb = HostEmbedding(NUM_ROWS, DIM)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    ids = np.arange(12).reshape(3, 4)
+    with Pipeline(emb, opt, depth=0) as pipe:
+        for step in pipe.run([ids]):
+            with step:
+                for _ in range(5):  # five micro-batches, one backward each
+                    emb(step.ids).sum().backward()
+                assert len(emb._binding.outputs) == 3
+                assert emb._binding.outputs_room == 0
+                opt.step()
+                opt.zero_grad()
