@@ -80,6 +80,14 @@ class _Ring:
         while self.pending and self.pending[0][2] is not None and self.pending[0][2].query():
             self.pending.popleft()
 
+    def guard(self, start: int, end: int, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+        """Mark ``[start, end)`` pending until an event recorded now on ``stream`` (behind
+        the copy that reads the region); returns that event. Call with :attr:`lock` held."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.pending.append((start, end, ev))
+        return ev
+
     def guard_later(self, start: int, end: int, stream: "torch.cuda.Stream") -> List[Any]:
         """Mark ``[start, end)`` pending with its event to come: the caller sets item 2
         of the returned entry to an event recorded on ``stream`` behind every read of the
@@ -209,9 +217,7 @@ def _upload_packed(hosts: Sequence[np.ndarray], device: torch.device,
         if err != 0:  # the driver refused the copy (packed already): torch copies it
             with on_stream(stream):
                 dev.copy_(ring.buf[base:base + nbytes].view(tdt), non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        ring.pending.append((base, base + total, ev))
+        ev = ring.guard(base, base + total, stream)
     return list(_UNFLATTEN(dev, [_template(h.shape) for h in hosts])), ev
 
 
@@ -252,9 +258,7 @@ def upload_buffer(hosts: Sequence[np.ndarray], device: torch.device,
                 _pack(ring.np, base, hosts, offsets)
             dev = _copy_up(total, device, stream, lambda: ring.buf[base:base + total],
                            raw=None if calls is None else (calls, ring.ptr + base))
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            ring.pending.append((base, base + total, ev))
+            ev = ring.guard(base, base + total, stream)
     if event and ev is None:
         ev = torch.cuda.Event()
         ev.record(stream)
