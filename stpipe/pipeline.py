@@ -151,9 +151,6 @@ _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.in
 _POLL = 0.05
 #: a prefetch delay shorter than this is slept through (``close()`` waits at most this)
 _SLEEP_MAX = 0.02
-#: recent step periods the prefetch thread needs before it naps until the next slot is
-#: due (:meth:`Pipeline._nap_until_due`)
-_NAP_MIN = 4
 
 #: id arrays at least this long are concatenated by :func:`stpipe._calls.pack` (GIL
 #: released) rather than ``np.concatenate``
@@ -405,15 +402,6 @@ class _Run:
         self.freed[slot] = now
         self.free_slots.put(slot)
 
-    def try_slot(self) -> Optional[int]:
-        """A free slot if one is waiting, else None (no wait)."""
-        if self.free_slots.empty():
-            return None
-        try:
-            return self.free_slots.get_nowait()
-        except queue.Empty:  # pragma: no cover - only this thread takes slots
-            return None
-
     def take_slot(self) -> Optional[int]:
         while not self.stop.is_set():
             try:
@@ -660,10 +648,6 @@ class Pipeline:
             seconds. ``0``: issue as soon as a slot frees. Slots not yet used in a run
             are never waited for. benchmarks/RESULTS.md (2026-12-04) has the paired
             measurements behind the default; :attr:`stats` ``["delayed_s"]`` sums the waits.
-            Once a few step periods are known, the prefetch thread sleeps straight to the
-            foreseen free plus the delay instead of waking at the free
-            (``stats["napped_s"]`` sums those sleeps); a batch is still never issued before
-            the delay has passed since its slot was freed.
 
     Raises:
         StpipeTypeError: a table is not a ``HostEmbedding`` or the arguments have the
@@ -682,9 +666,6 @@ class Pipeline:
     #: the ``"auto"`` delay's fraction of the step period (:func:`_auto_delay`); an
     #: instance may set its own (an A/B)
     _auto_fraction = _AUTO_FRACTION
-    #: nap until the next slot is due instead of waking at its free
-    #: (:meth:`_nap_until_due`); a class attribute so that an A/B can turn it off
-    _nap = True
 
     def __init__(
         self,
@@ -753,7 +734,7 @@ class Pipeline:
         self._profile = bool(profile)
         self.profile: List[Dict[str, float]] = []
         self.stats = {"steps": 0, "failed": 0, "skipped": 0, "rows_gathered": 0, "rows_carried": 0,
-                      "delayed_s": 0.0, "napped_s": 0.0}
+                      "delayed_s": 0.0}
         #: CPU seconds the prefetch threads of this pipeline have used (``time.thread_time``)
         self.prefetch_cpu_s = 0.0
         self.join_timeout = float(join_timeout)
@@ -1084,21 +1065,16 @@ class Pipeline:
                 if run.stop.is_set():
                     return
                 flight = self._prepare(idx, batch, run)
-                delay = self._delay_s(run)
-                slot = run.try_slot()
+                run.where = f"waiting for a free staging slot for batch {idx}"
+                slot = run.take_slot()
                 if slot is None:
-                    if delay > 0.0 and self._nap and run.gate is None and not self._nap_until_due(run, idx, delay):
-                        return
-                    run.where = f"waiting for a free staging slot for batch {idx}"
-                    slot = run.take_slot()
-                    if slot is None:
-                        return
+                    return
                 flight.slot = slot
                 if run.gate is not None:
                     run.where = f"waiting for step {idx - self.depth} to begin before issuing batch {idx}"
                     if not run.gate.wait(idx - self.depth, run.stop):
                         return
-                if not self._wait_delay(run, idx, slot, delay):
+                if not self._wait_delay(run, idx, slot):
                     return
                 t_issue = time.perf_counter()
                 self._issue(flight, run)
@@ -1115,55 +1091,19 @@ class Pipeline:
                 run.free_slots.put(slot)
             run.put(_Failure(exc, run.where, threading.current_thread().name))
 
-    def _delay_s(self, run: _Run) -> float:
-        """The prefetch delay in seconds for the next batch (``"auto"``: from the recent
-        periods and issue durations, :func:`_auto_delay`; computed before the prefetch
-        thread blocks for a slot, so nothing is left to compute once the slot comes)."""
+    def _wait_delay(self, run: _Run, idx: int, slot: int) -> bool:
+        """Wait until ``prefetch_delay`` after the training thread freed ``slot`` (the
+        start of the step this batch's issue will overlap); no wait for a slot never
+        used in this run, or freed longer ago than the delay. False if stopped."""
+        t0 = run.freed.get(slot)
+        if t0 is None:
+            return True
         d = self.prefetch_delay
         if isinstance(d, str):  # "auto"
             if not self._auto_waits:
-                return 0.0
-            return _auto_delay(list(run.periods), list(run.issues), self._auto_fraction)
-        return d
-
-    def _nap_until_due(self, run: _Run, idx: int, delay: float) -> bool:
-        """Sleep until the next slot is due to be freed and ``delay`` after it has passed:
-        the last free plus the upper quartile of the recent periods (at most 1.25 times
-        their median) plus ``delay``. False if stopped.
-
-        Why: the thread would otherwise wake twice per batch, when the training thread
-        frees the slot and again when the delay ends, and each wake takes the GIL while
-        the training thread runs Python. After the nap the slot is usually free and its
-        delay spent, so the batch is issued at the one wake. A slot freed later than
-        foreseen is waited for as before (:meth:`_Run.take_slot`); one freed earlier is
-        issued late by at most the difference. No nap without ``_NAP_MIN`` periods.
-        """
-        periods = run.periods
-        last = run._last_free
-        if last is None or len(periods) < _NAP_MIN:
-            return True
-        s = sorted(periods)
-        n = len(s)
-        median = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-        wait = last + min(s[(3 * n) // 4], 1.25 * median) + delay - time.perf_counter()
-        if wait <= 0.0:
-            return True
-        run.where = f"waiting {wait * 1e3:.2f} ms for the next free slot and prefetch_delay (batch {idx})"
-        self.stats["napped_s"] += wait
-        if wait < _SLEEP_MAX:
-            time.sleep(wait)
-            return not run.stop.is_set()
-        return not run.stop.wait(wait)
-
-    def _wait_delay(self, run: _Run, idx: int, slot: int, d: float) -> bool:
-        """Wait until ``d`` seconds (the prefetch delay, :meth:`_delay_s`) after the
-        training thread freed ``slot`` (the start of the step this batch's issue will
-        overlap); no wait for a slot never used in this run, or freed longer ago than the
-        delay. False if stopped."""
+                return True
+            d = _auto_delay(list(run.periods), list(run.issues), self._auto_fraction)
         if d <= 0.0:
-            return True
-        t0 = run.freed.get(slot)
-        if t0 is None:
             return True
         wait = t0 + d - time.perf_counter()
         if wait <= 0.0:

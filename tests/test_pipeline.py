@@ -941,3 +941,28 @@ def test_lookup_outputs_held_are_bounded_per_step(monkeypatch):
                 assert emb._binding.outputs_room == 0
                 opt.step()
                 opt.zero_grad()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetch_thread_reads_a_bounded_distance_ahead(depth):
+    # slow steps let the thread run as far ahead as it can: the batch being trained, the
+    # depth batches in flight and one planned batch waiting for a slot, no more
+    pulled = []
+
+    def source():
+        for b in make_batches("zipf", steps=12):
+            pulled.append(b)
+            yield b
+
+    emb = HostEmbedding(NUM_ROWS, DIM, device="cpu")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    ahead = []
+    with Pipeline(emb, optimizer=opt, depth=depth, ids=lambda b: b["ids"]) as pipe:
+        for step in pipe.run(source()):
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                time.sleep(0.02)
+                ahead.append(len(pulled) - (step.index + 1))
+    assert max(ahead) <= depth + 1, ahead
+    assert max(ahead) >= depth, ahead  # it did run ahead
