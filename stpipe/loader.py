@@ -85,7 +85,8 @@ _POLL_S = 0.05
 
 def _put_unless_stopped(q: "queue.Queue[Any]", item: Any, stop: threading.Event) -> bool:
     """Put ``item`` into the bounded ``q``, waiting for room, polling ``stop`` every
-    ``_POLL_S``; ``False`` if ``stop`` was set first (shared with the pipeline's thread)."""
+    ``_POLL_S``; ``False`` if ``stop`` was set first. (The pipeline's queues are bounded by
+    its staging slots instead and never wait for room: ``stpipe.pipeline._Run``.)"""
     while not stop.is_set():
         try:
             q.put(item, timeout=_POLL_S)
