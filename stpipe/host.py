@@ -376,7 +376,11 @@ class HostTable:
         if ev is None:
             ev = torch.cuda.Event()
             ev.record(stream)
-        handle = stream.cuda_stream
+        self._mark(ev, stream.cuda_stream, write)
+
+    def _mark(self, ev: "torch.cuda.Event", handle: int, write: bool) -> None:
+        """Make ``ev`` (recorded on the stream ``handle``) this table's write event, or its
+        read event on that stream."""
         with self._lock:
             if write:
                 self._write_event, self._read_events = (ev, handle), {}
@@ -1015,6 +1019,42 @@ class _PreparedMove:
             _finish([(mover, self.tables, write)], stream)
 
 
+class _PreparedMovePair:
+    """Two :class:`_PreparedMove` of one op in one launch (:func:`_prepare_pair`).
+
+    ``pair(ids_a, n_a, ids_b, n_b, stream, pending)`` does what ``a(ids_a, n_a, stream,
+    pending)`` and ``b(ids_b, n_b, stream, pending)`` do (each table's ordering, one
+    launch, both groups' bookkeeping appended to ``pending``); same stream contract.
+    """
+
+    __slots__ = ("a", "b", "_launch")
+
+    def __init__(self, a: _PreparedMove, b: _PreparedMove, launch: Any) -> None:
+        self.a, self.b, self._launch = a, b, launch
+
+    def __call__(self, ids_a: int, n_a: int, ids_b: int, n_b: int, stream: "torch.cuda.Stream",
+                 pending: list) -> None:
+        for m in (self.a, self.b):
+            mover, write = m._mover, m.write
+            for t in m.tables:
+                t._check_open()
+                t._before(mover, stream, write=write)
+        self._launch(ids_a, n_a, ids_b, n_b, stream)
+        pending.append((self.a._mover, self.a.tables, self.a.write))
+        pending.append((self.b._mover, self.b.tables, self.b.write))
+
+
+def _prepare_pair(a: _PreparedMove, b: _PreparedMove) -> Optional[_PreparedMovePair]:
+    """``a`` and ``b`` (two prepared moves of one op, e.g. a step's two tables) as one
+    launch, or ``None`` where their backend cannot pair them (see
+    ``CupyBackend.prepare_pair``)."""
+    if a.write != b.write or a._mover is not b._mover:
+        return None
+    prepare = getattr(a._mover, "prepare_pair", None)
+    launch = prepare(a._launch, b._launch) if prepare is not None else None
+    return None if launch is None else _PreparedMovePair(a, b, launch)
+
+
 def _prepare_move(op: str, tables: "List[HostTable]", planes: torch.Tensor) -> Optional[_PreparedMove]:
     """A :class:`_PreparedMove` of ``tables`` over ``planes`` (``(len(tables), cap, dim)``,
     rows contiguous), or ``None`` where no fused kernel can move them (see
@@ -1055,14 +1095,23 @@ def _prepare_move_cached(op: str, tables: "List[HostTable]", planes: torch.Tenso
     return move
 
 
-def _finish(pending: list, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+def _finish(pending: list, stream: "torch.cuda.Stream",
+            ev: Optional["torch.cuda.Event"] = None) -> "torch.cuda.Event":
     """Record one event on ``stream`` behind the moves in ``pending`` (see
-    :func:`_move_many`) and make it each table's read or write event; returns it."""
-    ev = torch.cuda.Event()
+    :func:`_move_many`) and make it each table's read or write event; returns it.
+
+    ``ev``: an event to record again instead of a new one (the pipeline's write-back
+    event). A table's event recorded again later on the same stream only stands for more
+    work, so whoever waits on it still waits for the access it was recorded for.
+    """
+    if ev is None:
+        ev = torch.cuda.Event()
     ev.record(stream)
+    handle = stream.cuda_stream
     for mover, tables, write in pending:
-        for t in tables:
-            t._after(mover, stream, write=write, ev=ev)
+        if mover.needs_pinned:
+            for t in tables:
+                t._mark(ev, handle, write)
     return ev
 
 

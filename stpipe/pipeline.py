@@ -136,7 +136,7 @@ from ._streams import current_stream, on_stream
 from .host import _finish
 from .host import gather_many as _gather_many
 from .host import scatter_many as _scatter_many
-from .host import _prepare_move, _cupy_backend
+from .host import _prepare_move, _prepare_pair, _cupy_backend
 from .kernels import IndexBatch
 from .loader import _copy_to, _map_tensors
 from .planner import Plan, as_index_array, check_ids, overlap
@@ -149,6 +149,8 @@ _thread_ids = itertools.count()
 _NUMPY_DTYPES = frozenset((torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                            torch.int16, torch.int8, torch.uint8, torch.bool))
 _POLL = 0.05
+#: cached paired launches (:meth:`Pipeline._paired`) kept before the cache is emptied
+_PAIRS_MAX = 64
 #: a prefetch delay shorter than this is slept through (``close()`` waits at most this)
 _SLEEP_MAX = 0.02
 
@@ -755,6 +757,13 @@ class Pipeline:
         self._lean = True
         #: re-recorded by every write-back: the copy stream's wait for the step's compute
         self._done_ev = None
+        #: re-recorded by every write-back behind its scatters: the tables' write event
+        self._wb_ev = None
+        #: whether two tables' fused gathers, scatters and carries share one launch where
+        #: their kernels pair (off: one launch per table)
+        self._pair = True
+        #: (id(a), id(b)) -> (a, b, paired launch or None) (:meth:`_paired`; issue lock)
+        self._pairs: Dict[Tuple[int, int], Tuple[Any, Any, Any]] = {}
         self._bind_optimizers()
 
     # ------------------------------------------------------------------ set-up
@@ -1429,6 +1438,7 @@ class Pipeline:
         """
         cs = self._copy_stream
         pending: List[Any] = []  # fused moves whose one event is recorded below
+        moves: Optional[List[Any]] = [] if self._cuda else None  # launched below, paired
         for name, tf in flight.tables.items():
             if run is not None:
                 run.where = f"gathering batch {flight.index}" + ("" if self._single else f" for table {name!r}")
@@ -1441,9 +1451,12 @@ class Pipeline:
                 with on_stream(cs) if self._cuda else contextlib.nullcontext():
                     slots.ensure(flight.slot, k, keys, (cs, self._compute_stream))
             if k:
-                self._gather_keys(emb, slots, flight.slot, tf, keys, with_rows=True, pending=pending)
+                self._gather_keys(emb, slots, flight.slot, tf, keys, with_rows=True, pending=pending,
+                                  moves=moves)
             tf.keys = tuple(keys)
             self.stats["rows_gathered"] += k
+        if moves:
+            self._launch_moves(moves, cs, pending)
         if self._cuda:
             # one event: the tables' read event and the batch's `ready`
             flight.ready = _finish(pending, cs)
@@ -1476,11 +1489,14 @@ class Pipeline:
                                   outputs_room=_HOLD_OUTPUT_BYTES)
 
     def _gather_keys(self, emb: HostEmbedding, slots: _Slots, slot: int, tf: _TableFlight,
-                     keys: Sequence[str], with_rows: bool, pending: Optional[list] = None) -> None:
+                     keys: Sequence[str], with_rows: bool, pending: Optional[list] = None,
+                     moves: Optional[list] = None) -> None:
         """Gather rows (``with_rows``) and state ``keys`` of ``tf``'s unique ids into the
         slot: the stacked ones by one fused call (:func:`stpipe.host.gather_many`), the
         others one by one. Stream: the copy stream. ``pending``: see
-        :func:`stpipe.host._move_many`."""
+        :func:`stpipe.host._move_many`. ``moves``: a list that takes the prepared fused
+        move as ``(move, ids address, n)`` instead of launching it (the caller launches
+        it with :meth:`_launch_moves`, before anything else reads the slot)."""
         k = tf.k
         rs = emb.row_state
         stacked = slots.stacked_among(slot, keys)
@@ -1488,7 +1504,9 @@ class Pipeline:
             lo = 0 if with_rows else 1
             tables = ([emb.table] + [rs.tables[key] for key in stacked])[lo:]
             move = slots.move(slot, "gather", lo, tables) if self._cuda else None
-            if move is not None:
+            if move is not None and moves is not None:
+                moves.append((move, tf.dev_rows.ptr, k))
+            elif move is not None:
                 move(tf.dev_rows.ptr, k, self._copy_stream, pending)
             else:
                 self._rows_on_device(tf)
@@ -1700,9 +1718,12 @@ class Pipeline:
                     carries.append((g, ov))
             if carries:
                 for g, ov in carries:
+                    launches: List[Any] = []
                     for name, (pp, np_) in ov.items():
-                        self._carry(name, f, g, pp, np_)
+                        self._carry(name, f, g, pp, np_, launches)
                         self.stats["rows_carried"] += pp.n
+                    if launches:
+                        self._launch_carries(launches)
                     if self._cuda:
                         # re-recorded, later on the same stream: whatever else holds
                         # it (batch_event, a read event, a ring guard) stays valid
@@ -1710,6 +1731,7 @@ class Pipeline:
                             g.ready = torch.cuda.Event()
                         g.ready.record(cs)
             pending: List[Any] = []  # fused scatters: one write event for all tables
+            moves: List[Any] = []  # launched below, paired
             for name, tf in f.tables.items():
                 if not tf.k:
                     continue
@@ -1720,7 +1742,7 @@ class Pipeline:
                 tables = [emb.table] + [emb.row_state.tables[key] for key in stacked]
                 move = slots.move(f.slot, "scatter", 0, tables) if self._cuda else None
                 if move is not None:
-                    move(tf.dev_rows.ptr, tf.k, cs, pending)
+                    moves.append((move, tf.dev_rows.ptr, tf.k))
                 else:
                     self._rows_on_device(tf)
                     planes = slots.stack[f.slot][: len(tables), : tf.k]
@@ -1729,15 +1751,23 @@ class Pipeline:
                     if key not in stacked:
                         self._rows_on_device(tf)
                         emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
+            if moves:
+                self._launch_moves(moves, cs, pending)
             if pending:
-                _finish(pending, cs)
+                if self._wb_ev is None:
+                    self._wb_ev = torch.cuda.Event()
+                _finish(pending, cs, self._wb_ev)
             self._inflight.pop(f.index, None)
 
-    def _carry(self, name: Any, f: _Flight, g: _Flight, pp: _DevIds, np_: _DevIds) -> None:
+    def _carry(self, name: Any, f: _Flight, g: _Flight, pp: _DevIds, np_: _DevIds,
+               launches: Optional[list] = None) -> None:
         """Copy the rows (and state) batch ``g`` shares with ``f`` from ``f``'s slot into
         ``g``'s: ``g[np_] = f[pp]`` for the planes both hold (issue lock held; stream: the
         copy stream, after ``f``'s compute: the carry kernel is given it, the torch
-        fallbacks make it current)."""
+        fallbacks make it current). ``launches``: a list that takes the prepared carry
+        kernel's call as ``(carry, from address, to address, n)`` instead of launching it
+        (the caller launches it with :meth:`_launch_carries` before recording ``g``'s
+        ready event)."""
         slots = self._slots[name]
         ftf, gtf = f.tables[name], g.tables[name]
         keys = gtf.keys  # f's slot holds every known key (ensured in its write-back)
@@ -1748,7 +1778,9 @@ class Pipeline:
             m += 1
         src, dst = slots.stack[f.slot], slots.stack[g.slot]
         carry = slots.carry(f.slot, g.slot, 1 + m) if self._cuda else None
-        if carry is not None:
+        if carry is not None and launches is not None:
+            launches.append((carry, pp.ptr, np_.ptr, pp.n))
+        elif carry is not None:
             carry(pp.ptr, np_.ptr, pp.n, self._copy_stream)  # one launch for all 1 + m planes
         else:
             pt, nt = pp.tensor(), np_.tensor()
@@ -1760,6 +1792,64 @@ class Pipeline:
                 for key in rest:
                     d = slots.state(g.slot, key, gtf.k)
                     d.index_copy_(0, np_.tensor(), slots.state(f.slot, key, ftf.k).index_select(0, pp.tensor()))
+
+
+    def _paired(self, a: Any, b: Any, make: Callable[[Any, Any], Any]) -> Any:
+        """``make(a, b)`` (a paired launch of two prepared ones, or ``None``), made once per
+        pair of prepared objects (issue lock held). The cache holds ``a`` and ``b``, so
+        their ids name them while cached; it is emptied past :data:`_PAIRS_MAX` entries
+        (prepared objects are replaced when a slot grows)."""
+        key = (id(a), id(b))
+        hit = self._pairs.get(key)
+        if hit is not None and hit[0] is a and hit[1] is b:
+            return hit[2]
+        if len(self._pairs) >= _PAIRS_MAX:
+            self._pairs.clear()
+        pair = make(a, b)
+        self._pairs[key] = (a, b, pair)
+        return pair
+
+    def _launch_moves(self, moves: List[Tuple[Any, int, int]], stream: Any, pending: list) -> None:
+        """Launch prepared fused moves ``[(move, ids address, n)]`` (one per table, one op)
+        in order, two tables' in one launch where their kernels pair
+        (:func:`stpipe.host._prepare_pair`). Stream: ``stream``; issue lock held."""
+        i, count = 0, len(moves)
+        while i < count:
+            move, ptr, n = moves[i]
+            if self._pair and i + 1 < count:
+                move2, ptr2, n2 = moves[i + 1]
+                pair = self._paired(move, move2, _prepare_pair)
+                if pair is not None:
+                    pair(ptr, n, ptr2, n2, stream, pending)
+                    i += 2
+                    continue
+            move(ptr, n, stream, pending)
+            i += 1
+
+    def _launch_carries(self, launches: List[Tuple[Any, int, int, int]]) -> None:
+        """Launch prepared carries ``[(carry, from address, to address, n)]`` (one per
+        table) in order, two tables' in one launch where their kernels pair
+        (``CupyBackend.prepare_carry_pair``). Stream: the copy stream; issue lock held."""
+        cs = self._copy_stream
+        i, count = 0, len(launches)
+        while i < count:
+            carry, src, dst, n = launches[i]
+            if self._pair and i + 1 < count:
+                carry2, src2, dst2, n2 = launches[i + 1]
+                pair = self._paired(carry, carry2, _pair_carries)
+                if pair is not None:
+                    pair(src, dst, n, src2, dst2, n2, cs)
+                    i += 2
+                    continue
+            carry(src, dst, n, cs)
+            i += 1
+
+
+def _pair_carries(a: Any, b: Any) -> Any:
+    """Two prepared carries as one launch, or ``None`` (``CupyBackend.prepare_carry_pair``)."""
+    backend = getattr(a, "_backend", None)
+    prepare = getattr(backend, "prepare_carry_pair", None)
+    return prepare(a, b) if prepare is not None else None
 
 
 def _make_hold() -> Optional[Callable[[torch.Tensor], Any]]:

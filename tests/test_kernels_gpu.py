@@ -522,3 +522,121 @@ def test_host_table_device_id_paths(dtype, dim):
     assert not plain._scatter_last(ids, torch.zeros(2, dim, device="cuda").to(dtype))
     t.close()
     plain.close()
+
+
+@pytest.mark.parametrize("ka,kb", [(3, 2), (1, 3), (2, 2)])
+@pytest.mark.parametrize("na,nb", [(77, 300), (250, 5), (40, 0)])
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float16, 17), (torch.float32, 9)],
+                         ids=["16-byte-words", "2-byte-words", "4-byte-words"])
+def test_paired_moves_bit_exact(dtype, dim, na, nb, ka, kb):
+    """Two groups of tables (each with its own ids, count and strided planes) gathered and
+    scattered by one paired launch land exactly as two separate fused launches would, and
+    nothing outside the named rows and planes moves."""
+    from stpipe.host import _prepare_move, _prepare_pair, _finish
+
+    need("cupy")
+    n_rows = 400
+    ta = [HostTable(n_rows, dim, dtype, backend="cupy") for _ in range(ka)]
+    tb = [HostTable(n_rows, dim, dtype, backend="cupy") for _ in range(kb)]
+    try:
+        refs_a = [random_bits(t, seed=50 + g) for g, t in enumerate(ta)]
+        refs_b = [random_bits(t, seed=90 + g) for g, t in enumerate(tb)]
+        rng = np.random.default_rng(na + nb)
+        ids_a = torch.from_numpy(np.sort(rng.choice(n_rows, na, replace=False))).cuda()
+        ids_b = torch.from_numpy(rng.choice(n_rows, nb, replace=False)).cuda()
+        buf_a = torch.full((ka + 1, 260, dim), 7.0, dtype=dtype, device="cuda")
+        buf_b = torch.full((kb + 1, 310, dim), 5.0, dtype=dtype, device="cuda")
+        ga, gb = _prepare_move("gather", ta, buf_a[:ka]), _prepare_move("gather", tb, buf_b[:kb])
+        pair = _prepare_pair(ga, gb)
+        assert pair is not None
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        pending: list = []
+        pair(ids_a.data_ptr(), na, ids_b.data_ptr(), nb, s, pending)
+        _finish(pending, s)
+        s.synchronize()
+        for g in range(ka):
+            assert torch.equal(bits(buf_a[g, :na]), bits(refs_a[g][ids_a.cpu()]))
+        for g in range(kb):
+            assert torch.equal(bits(buf_b[g, :nb]), bits(refs_b[g][ids_b.cpu()]))
+        assert (buf_a[:, na:] == 7).all() and (buf_a[ka] == 7).all()
+        assert (buf_b[:, nb:] == 5).all() and (buf_b[kb] == 5).all()
+        # scatter new rows back through the paired launch
+        new_a = torch.randn(ka, na, dim, device="cuda").to(dtype)
+        new_b = torch.randn(kb, nb, dim, device="cuda").to(dtype)
+        buf_a[:ka, :na], buf_b[:kb, :nb] = new_a, new_b
+        sa, sb = _prepare_move("scatter", ta, buf_a[:ka]), _prepare_move("scatter", tb, buf_b[:kb])
+        spair = _prepare_pair(sa, sb)
+        assert spair is not None
+        s.wait_stream(torch.cuda.current_stream())
+        pending = []
+        spair(ids_a.data_ptr(), na, ids_b.data_ptr(), nb, s, pending)
+        assert [p[1] for p in pending] == [sa.tables, sb.tables] and all(p[2] for p in pending)
+        _finish(pending, s)
+        for g, t in enumerate(ta):
+            want = refs_a[g].clone()
+            want[ids_a.cpu()] = new_a[g].cpu()
+            assert torch.equal(bits(t.tensor()), bits(want))  # tensor() waits for the write event
+        for g, t in enumerate(tb):
+            want = refs_b[g].clone()
+            want[ids_b.cpu()] = new_b[g].cpu()
+            assert torch.equal(bits(t.tensor()), bits(want))
+    finally:
+        for t in ta + tb:
+            t.close()
+
+
+def test_pairs_that_cannot_share_a_launch_are_refused():
+    """prepare_pair / prepare_carry_pair return None (the caller launches each) for other
+    ops, other word sizes, more tables than a group holds, or an empty carry."""
+    from stpipe.host import _prepare_move, _prepare_pair
+    from stpipe.kernels._cupy import PAIR
+
+    need("cupy")
+    be = get_backend("cupy")
+    t128 = [HostTable(50, 128, torch.float32, backend="cupy") for _ in range(PAIR + 1)]
+    t9 = [HostTable(50, 9, torch.float32, backend="cupy")]
+    try:
+        b128 = torch.zeros(PAIR + 1, 20, 128, device="cuda")
+        b9 = torch.zeros(1, 20, 9, device="cuda")
+        g1 = _prepare_move("gather", t128[:1], b128[:1])
+        assert _prepare_pair(g1, _prepare_move("scatter", t128[1:2], b128[1:2])) is None  # ops differ
+        assert _prepare_pair(g1, _prepare_move("gather", t9, b9)) is None  # 16- vs 4-byte words
+        assert _prepare_pair(g1, _prepare_move("gather", t128, b128)) is None  # PAIR + 1 tables
+        assert _prepare_pair(g1, _prepare_move("gather", t128[1:PAIR + 1], b128[1:PAIR + 1])) is not None
+        src = torch.zeros(3, 10, 128, device="cuda")
+        assert be.prepare_carry_pair(be.prepare_carry(src, b128, 2), be.prepare_carry(src, b128, 0)) is None
+        assert be.prepare_carry_pair(be.prepare_carry(src, b128, 2), be.prepare_carry(b9, b9, 1)) is None
+        assert be.prepare_carry_pair(be.prepare_carry(src, b128, 2), be.prepare_carry(b128, src, 3)) is not None
+    finally:
+        for t in t128 + t9:
+            t.close()
+
+
+@pytest.mark.parametrize("dtype,dim,pa,pb", [(torch.float32, 128, 3, 3), (torch.float16, 3, 1, 2),
+                                             (torch.float32, 5, 2, 1)])
+@pytest.mark.parametrize("na,nb", [(333, 21), (4, 290), (0, 50)])
+def test_carry_pair_bit_exact(dtype, dim, pa, pb, na, nb):
+    """Two carries (each its own buffers, planes and index lists) in one launch land as two
+    separate carry launches would: exact bits, other rows and planes untouched."""
+    need("cupy")
+    be = get_backend("cupy")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bufs = [torch.randn(p + 1, cap, dim, device="cuda", generator=g).to(dtype)
+            for p, cap in ((pa, 700), (pa, 500), (pb, 300), (pb, 320))]
+    rng = np.random.default_rng(na * 7 + nb)
+    fa = torch.from_numpy(rng.choice(700, na, replace=False)).cuda()
+    ta_ = torch.from_numpy(rng.choice(500, na, replace=False)).cuda()
+    fb = torch.from_numpy(rng.choice(300, nb, replace=False)).cuda()
+    tb_ = torch.from_numpy(rng.choice(320, nb, replace=False)).cuda()
+    want_a, want_b = bufs[1].clone(), bufs[3].clone()
+    want_a[:pa, ta_] = bufs[0][:pa, fa]
+    want_b[:pb, tb_] = bufs[2][:pb, fb]
+    pair = be.prepare_carry_pair(be.prepare_carry(bufs[0], bufs[1], pa), be.prepare_carry(bufs[2], bufs[3], pb))
+    assert pair is not None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    pair(fa.data_ptr(), ta_.data_ptr(), na, fb.data_ptr(), tb_.data_ptr(), nb, s)
+    s.synchronize()
+    assert torch.equal(bits(bufs[1]), bits(want_a))
+    assert torch.equal(bits(bufs[3]), bits(want_b))

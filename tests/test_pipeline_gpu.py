@@ -333,3 +333,62 @@ def test_gpu_lean_upload_equals_general(cuda_device, depth, with_bf16):
     assert lean[2] is (not with_bf16)
     assert_same(general[0], lean[0])
     assert_same(general[1], lean[1])
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("tables,opt_name", [(2, "adam"), (3, "adam"), (2, "rmsprop_centered_momentum")])
+def test_gpu_paired_launches_change_no_result(cuda_device, depth, tables, opt_name, monkeypatch):
+    """Two tables' fused gathers, scatters and carries share one launch (``*_pair``
+    kernels) where their kernels pair; the tables and state come out bit-identical to one
+    launch per table. Three tables: the first two pair, the third launches alone. RMSprop
+    (centered, momentum) stacks four planes per table, more than a paired group holds: its
+    write-backs do not pair, and the result is still the same."""
+    from stpipe.host import _cupy_backend
+
+    be = _cupy_backend()
+    if be is None:
+        pytest.skip("the paired kernels need CuPy")
+    names: list = []
+    real_run = be._run
+
+    def counting_run(index, name, *a, **k):
+        names.append(name)
+        return real_run(index, name, *a, **k)
+
+    monkeypatch.setattr(be, "_run", counting_run)
+    rng = np.random.default_rng(7)
+    data = [{"f%d" % t: torch.from_numpy((rng.zipf(1.2, 300 * (t + 1)) - 1) % NUM_ROWS) for t in range(tables)}
+            for _ in range(16)]
+
+    def run(pair):
+        embs = {f"f{t}": make_emb(cuda_device, 2 + t) for t in range(tables)}
+        opt = OPTIMIZERS[opt_name]([p for e in embs.values() for p in e.parameters()])
+        names.clear()
+        with Pipeline(embs, optimizer=opt, depth=depth, ids=lambda b: dict(b)) as pipe:
+            pipe._pair = pair
+            for step in pipe.run(data):
+                with step:
+                    loss = sum(loss_fn(embs[k](step.ids[k]), torch.zeros(len(step.ids[k]))) for k in embs)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+            carried = pipe.stats["rows_carried"]
+        return [snapshot(e, opt) for e in embs.values()], list(names), carried
+
+    ref, plain, carried = run(False)
+    got, paired, _ = run(True)
+    for a, b in zip(ref, got):
+        assert_same(a, b)
+    assert not any(n.endswith("_pair") for n in plain)
+    pairs = {n for n in paired if n.endswith("_pair")}
+    if opt_name == "adam":
+        want = {"gather_pair", "scatter_pair"} | ({"carry_pair"} if depth and carried else set())
+        assert pairs == want, (pairs, want)
+        assert len(paired) < len(plain)
+        if tables == 3:  # the third table launches alone
+            assert "scatter_many" in paired and "gather_many" in paired
+        else:
+            assert "scatter_many" not in paired
+    else:  # four planes once the state is known; before that (the first batches' gathers
+        # and carries: rows only) they may pair
+        assert "scatter_pair" not in pairs and "scatter_many" in paired

@@ -13,6 +13,15 @@ grid-stride. Consecutive lanes touch consecutive words of a row (coalesced), and
 512-byte row (128 float32) one warp moves one row with 16-byte accesses: the
 warp-per-row kernel of DESIGN.md, without idle lanes for narrow rows.
 
+The ``*_many`` kernels move up to four tables that share ids (a table and its optimizer
+state) in one launch, ``blockIdx.y`` picking the table; the ``*_pair`` kernels move two
+such groups of up to three tables, each group with its own ids and count, in one launch
+(:meth:`CupyBackend.prepare_pair`, :meth:`CupyBackend.prepare_carry_pair`): the
+pipeline's two tables of a step, e.g. skip-gram's input and output embeddings with Adam's
+two state tables each, are gathered, written back and carried with one launch each
+instead of two. A launch costs the training thread several microseconds of CPU, and the
+step is CPU-bound.
+
 CuPy is imported on first use of the backend; kernels compile lazily (NVRTC) and are
 cached per device (CuPy additionally caches the binary on disk).
 """
@@ -88,6 +97,15 @@ __device__ __forceinline__ const W* pick(const W* t0, const W* t1, const W* t2, 
     return g == 0 ? t0 : (g == 1 ? t1 : (g == 2 ? t2 : t3));
 }
 
+// Two tables' moves in one launch (a step's tables, e.g. skip-gram's input and output
+// embeddings, each with up to two state tables that share its ids): blockIdx.y below
+// count_a is plane y of group a, the rest plane y - count_a of group b. Each group has
+// its own ids, count and plane stride; the grid is sized for the larger group.
+template <typename W>
+__device__ __forceinline__ const W* pick3(const W* t0, const W* t1, const W* t2, unsigned int g) {
+    return g == 0 ? t0 : (g == 1 ? t1 : t2);
+}
+
 // Last occurrence wins (the compat layer's GPU-resident insertData): pass 1 stamps each
 // named row with the largest base + j naming it (base: a call number << 32, so stamps of
 // earlier calls are smaller and the scratch is never cleared); an id outside [0, rows)
@@ -150,6 +168,34 @@ extern "C" __global__ void stpipe_carry_many_##W(const W* src, W* dst,          
         long long dst_plane, long long total, long long words)                         \
 { carry_words<W>(src + blockIdx.y * src_plane, dst + blockIdx.y * dst_plane, from, to,  \
                  total, words); }                                                      \
+extern "C" __global__ void stpipe_gather_pair_##W(const W* a0, const W* a1, const W* a2, \
+        const W* b0, const W* b1, const W* b2, const long long* ids_a,                 \
+        const long long* ids_b, W* out_a, W* out_b, long long plane_a, long long plane_b, \
+        long long total_a, long long total_b, long long count_a, long long words)      \
+{ const unsigned int y = blockIdx.y;                                                   \
+  if (y < count_a) gather_words<W>(pick3<W>(a0, a1, a2, y), ids_a, out_a + y * plane_a, \
+                                   total_a, words);                                    \
+  else gather_words<W>(pick3<W>(b0, b1, b2, y - count_a), ids_b,                       \
+                       out_b + (y - count_a) * plane_b, total_b, words); }             \
+extern "C" __global__ void stpipe_scatter_pair_##W(W* a0, W* a1, W* a2, W* b0, W* b1,   \
+        W* b2, const long long* ids_a, const long long* ids_b, const W* rows_a,        \
+        const W* rows_b, long long plane_a, long long plane_b, long long total_a,      \
+        long long total_b, long long count_a, long long words)                         \
+{ const unsigned int y = blockIdx.y;                                                   \
+  if (y < count_a) scatter_words<W>(const_cast<W*>(pick3<W>(a0, a1, a2, y)), ids_a,    \
+                                    rows_a + y * plane_a, total_a, words);             \
+  else scatter_words<W>(const_cast<W*>(pick3<W>(b0, b1, b2, y - count_a)), ids_b,      \
+                        rows_b + (y - count_a) * plane_b, total_b, words); }           \
+extern "C" __global__ void stpipe_carry_pair_##W(const W* src_a, W* dst_a,             \
+        const long long* from_a, const long long* to_a, long long sp_a, long long dp_a, \
+        long long total_a, const W* src_b, W* dst_b, const long long* from_b,          \
+        const long long* to_b, long long sp_b, long long dp_b, long long total_b,      \
+        long long planes_a, long long words)                                           \
+{ const unsigned int y = blockIdx.y;                                                   \
+  if (y < planes_a) carry_words<W>(src_a + y * sp_a, dst_a + y * dp_a, from_a, to_a,   \
+                                   total_a, words);                                    \
+  else carry_words<W>(src_b + (y - planes_a) * sp_b, dst_b + (y - planes_a) * dp_b,    \
+                      from_b, to_b, total_b, words); }                                 \
 extern "C" __global__ void stpipe_stamp_last_##W(const long long* ids,                  \
         unsigned long long* stamps, unsigned long long* bad, long long n, long long rows, \
         long long base)                                                                \
@@ -168,6 +214,8 @@ _WORD_NAMES = {2: "w2_t", 4: "w4_t", 16: "w16_t"}
 THREADS = 256
 #: Tables per launch of the ``*_many`` kernels.
 MANY = 4
+#: Tables per group of the ``*_pair`` kernels (two groups per launch).
+PAIR = 3
 
 
 def word_bytes(rb: int, *ptrs: int) -> int:
@@ -285,6 +333,60 @@ class _PreparedCarry:
         values = (self._src, self._dst, src_rows, dst_rows, self._sp, self._dp, total, words)
         self._backend._run(self._index, "carry_many", self._word, (blocks, self._planes), threads,
                            stream, values, 4)
+
+
+class _PreparedPair:
+    """Two prepared fused moves of one op in one launch (:meth:`CupyBackend.prepare_pair`):
+    ``pair(ids_a, n_a, ids_b, n_b, stream)``, each group with its own ids."""
+
+    __slots__ = ("_backend", "_index", "_name", "_word", "_words", "_sms", "_a", "_b", "_count")
+
+    def __init__(self, backend: "CupyBackend", a: _Prepared, b: _Prepared) -> None:
+        self._backend, self._index, self._word, self._words = backend, a._index, a._word, a._words
+        self._name = a._name[: -len("_many")] + "_pair"
+        self._sms = backend._sms_of(a._index, self._name, a._word)
+        (pa, base_a, ca), (pb, base_b, cb) = a._groups[0], b._groups[0]
+        self._a = (tuple(pa[:PAIR]), base_a, a._plane)
+        self._b = (tuple(pb[:PAIR]), base_b, b._plane)
+        self._count = (ca, cb)
+
+    def __call__(self, ids_a: int, n_a: int, ids_b: int, n_b: int, stream: "torch.cuda.Stream") -> None:
+        words = self._words
+        total_a, total_b = max(0, n_a) * words, max(0, n_b) * words
+        if total_a == 0 and total_b == 0:
+            return
+        blocks, threads = launch_shape(max(total_a, total_b), self._sms)
+        (ta, base_a, plane_a), (tb, base_b, plane_b) = self._a, self._b
+        ca, cb = self._count
+        self._backend._run(self._index, self._name, self._word, (blocks, ca + cb), threads, stream,
+                           (*ta, *tb, ids_a, ids_b, base_a, base_b, plane_a, plane_b, total_a, total_b,
+                            ca, words), 2 * PAIR + 4)
+
+
+class _PreparedCarryPair:
+    """Two prepared carries in one launch (:meth:`CupyBackend.prepare_carry_pair`):
+    ``pair(from_a, to_a, n_a, from_b, to_b, n_b, stream)``."""
+
+    __slots__ = ("_backend", "_index", "_word", "_words", "_sms", "_a", "_b")
+
+    def __init__(self, backend: "CupyBackend", a: _PreparedCarry, b: _PreparedCarry) -> None:
+        self._backend, self._index, self._word, self._words = backend, a._index, a._word, a._words
+        self._sms = backend._sms_of(a._index, "carry_pair", a._word)
+        self._a = (a._src, a._dst, a._sp, a._dp, a._planes)
+        self._b = (b._src, b._dst, b._sp, b._dp, b._planes)
+
+    def __call__(self, from_a: int, to_a: int, n_a: int, from_b: int, to_b: int, n_b: int,
+                 stream: "torch.cuda.Stream") -> None:
+        words = self._words
+        total_a, total_b = max(0, n_a) * words, max(0, n_b) * words
+        if total_a == 0 and total_b == 0:
+            return
+        blocks, threads = launch_shape(max(total_a, total_b), self._sms)
+        sa, da, spa, dpa, pa = self._a
+        sb, db, spb, dpb, pb = self._b
+        self._backend._run(self._index, "carry_pair", self._word, (blocks, pa + pb), threads, stream,
+                           (sa, da, from_a, to_a, spa, dpa, total_a, sb, db, from_b, to_b, spb, dpb,
+                            total_b, pa, words), 4)
 
 
 def _device_pointer_check(cp, ptr: int) -> None:
@@ -466,7 +568,8 @@ class CupyBackend:
         ``planes.data_ptr() + g * planes.stride(0) * itemsize`` and its rows are
         contiguous; calls may move any ``n`` rows up to the buffer's capacity. The pinned
         check of each table runs here, once. The pipeline keeps one per staging slot and
-        table group, so a batch's gather or write-back is one call per table group.
+        table group, so a batch's gather or write-back is one call per table group, and
+        two groups (a step's two tables) share one launch through :meth:`prepare_pair`.
         """
         device = planes.device
         index = device.index
@@ -484,6 +587,35 @@ class CupyBackend:
                            planes.data_ptr() + g * plane_bytes, min(MANY, len(tables) - g)))
         return _Prepared(self, index, name, word, rb // word, self._sms_of(index, name, word),
                          plane_bytes // word, groups)
+
+    def prepare_pair(self, a: "_Prepared", b: "_Prepared") -> Optional["_PreparedPair"]:
+        """Two prepared moves of one op (:meth:`prepare_many`, e.g. two tables of a
+        pipeline step, each with its state tables) as one launch:
+        ``pair(ids_a, n_a, ids_b, n_b, stream)`` does what ``a(ids_a, n_a, stream)`` and
+        ``b(ids_b, n_b, stream)`` do. ``None`` where they cannot share a launch: another
+        device, op or word size, or more than :data:`PAIR` tables in either.
+        Stream: as the two calls, both on ``stream``."""
+        if not (isinstance(a, _Prepared) and isinstance(b, _Prepared)) or a._backend is not self \
+                or b._backend is not self:
+            return None
+        if (a._index, a._name, a._word, a._words) != (b._index, b._name, b._word, b._words):
+            return None
+        if len(a._groups) != 1 or len(b._groups) != 1 or a._groups[0][2] > PAIR or b._groups[0][2] > PAIR:
+            return None
+        return _PreparedPair(self, a, b)
+
+    def prepare_carry_pair(self, a: "_PreparedCarry", b: "_PreparedCarry") -> Optional["_PreparedCarryPair"]:
+        """Two prepared carries (:meth:`prepare_carry`, e.g. two tables' fix-ups of one
+        step) as one launch: ``pair(from_a, to_a, n_a, from_b, to_b, n_b, stream)`` does
+        what ``a(from_a, to_a, n_a, stream)`` and ``b(from_b, to_b, n_b, stream)`` do.
+        ``None`` where they cannot share a launch (another device or word size, no planes).
+        Stream: as the two calls, both on ``stream``."""
+        if not (isinstance(a, _PreparedCarry) and isinstance(b, _PreparedCarry)) or a._backend is not self \
+                or b._backend is not self:
+            return None
+        if (a._index, a._word, a._words) != (b._index, b._word, b._words) or a._planes <= 0 or b._planes <= 0:
+            return None
+        return _PreparedCarryPair(self, a, b)
 
     def _launch_many(self, op: str, tables: Sequence[torch.Tensor], ids: IndexBatch,
                      planes: torch.Tensor, stream: "torch.cuda.Stream") -> None:
