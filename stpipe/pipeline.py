@@ -1438,7 +1438,7 @@ class Pipeline:
         """
         cs = self._copy_stream
         pending: List[Any] = []  # fused moves whose one event is recorded below
-        moves: Optional[List[Any]] = [] if self._cuda else None  # launched below, paired
+        moves: List[Any] = []  # launched below, paired
         for name, tf in flight.tables.items():
             if run is not None:
                 run.where = f"gathering batch {flight.index}" + ("" if self._single else f" for table {name!r}")
@@ -1456,7 +1456,7 @@ class Pipeline:
             tf.keys = tuple(keys)
             self.stats["rows_gathered"] += k
         if moves:
-            self._launch_moves(moves, cs, pending)
+            self._launch_paired(moves, _prepare_pair, (cs, pending))
         if self._cuda:
             # one event: the tables' read event and the batch's `ready`
             flight.ready = _finish(pending, cs)
@@ -1495,8 +1495,8 @@ class Pipeline:
         slot: the stacked ones by one fused call (:func:`stpipe.host.gather_many`), the
         others one by one. Stream: the copy stream. ``pending``: see
         :func:`stpipe.host._move_many`. ``moves``: a list that takes the prepared fused
-        move as ``(move, ids address, n)`` instead of launching it (the caller launches
-        it with :meth:`_launch_moves`, before anything else reads the slot)."""
+        move as ``(move, (ids address, n))`` instead of launching it (the caller launches
+        it with :meth:`_launch_paired`, before anything else reads the slot)."""
         k = tf.k
         rs = emb.row_state
         stacked = slots.stacked_among(slot, keys)
@@ -1505,7 +1505,7 @@ class Pipeline:
             tables = ([emb.table] + [rs.tables[key] for key in stacked])[lo:]
             move = slots.move(slot, "gather", lo, tables) if self._cuda else None
             if move is not None and moves is not None:
-                moves.append((move, tf.dev_rows.ptr, k))
+                moves.append((move, (tf.dev_rows.ptr, k)))
             elif move is not None:
                 move(tf.dev_rows.ptr, k, self._copy_stream, pending)
             else:
@@ -1723,7 +1723,7 @@ class Pipeline:
                         self._carry(name, f, g, pp, np_, launches)
                         self.stats["rows_carried"] += pp.n
                     if launches:
-                        self._launch_carries(launches)
+                        self._launch_paired(launches, _pair_carries, (cs,))
                     if self._cuda:
                         # re-recorded, later on the same stream: whatever else holds
                         # it (batch_event, a read event, a ring guard) stays valid
@@ -1742,7 +1742,7 @@ class Pipeline:
                 tables = [emb.table] + [emb.row_state.tables[key] for key in stacked]
                 move = slots.move(f.slot, "scatter", 0, tables) if self._cuda else None
                 if move is not None:
-                    moves.append((move, tf.dev_rows.ptr, tf.k))
+                    moves.append((move, (tf.dev_rows.ptr, tf.k)))
                 else:
                     self._rows_on_device(tf)
                     planes = slots.stack[f.slot][: len(tables), : tf.k]
@@ -1752,7 +1752,7 @@ class Pipeline:
                         self._rows_on_device(tf)
                         emb.row_state.tables[key].scatter(tf.rows, buf, stream=cs, assume_unique=True)
             if moves:
-                self._launch_moves(moves, cs, pending)
+                self._launch_paired(moves, _prepare_pair, (cs, pending))
             if pending:
                 if self._wb_ev is None:
                     self._wb_ev = torch.cuda.Event()
@@ -1765,8 +1765,8 @@ class Pipeline:
         ``g``'s: ``g[np_] = f[pp]`` for the planes both hold (issue lock held; stream: the
         copy stream, after ``f``'s compute: the carry kernel is given it, the torch
         fallbacks make it current). ``launches``: a list that takes the prepared carry
-        kernel's call as ``(carry, from address, to address, n)`` instead of launching it
-        (the caller launches it with :meth:`_launch_carries` before recording ``g``'s
+        kernel's call as ``(carry, (from address, to address, n))`` instead of launching it
+        (the caller launches it with :meth:`_launch_paired` before recording ``g``'s
         ready event)."""
         slots = self._slots[name]
         ftf, gtf = f.tables[name], g.tables[name]
@@ -1779,7 +1779,7 @@ class Pipeline:
         src, dst = slots.stack[f.slot], slots.stack[g.slot]
         carry = slots.carry(f.slot, g.slot, 1 + m) if self._cuda else None
         if carry is not None and launches is not None:
-            launches.append((carry, pp.ptr, np_.ptr, pp.n))
+            launches.append((carry, (pp.ptr, np_.ptr, pp.n)))
         elif carry is not None:
             carry(pp.ptr, np_.ptr, pp.n, self._copy_stream)  # one launch for all 1 + m planes
         else:
@@ -1792,7 +1792,6 @@ class Pipeline:
                 for key in rest:
                     d = slots.state(g.slot, key, gtf.k)
                     d.index_copy_(0, np_.tensor(), slots.state(f.slot, key, ftf.k).index_select(0, pp.tensor()))
-
 
     def _paired(self, a: Any, b: Any, make: Callable[[Any, Any], Any]) -> Any:
         """``make(a, b)`` (a paired launch of two prepared ones, or ``None``), made once per
@@ -1809,39 +1808,23 @@ class Pipeline:
         self._pairs[key] = (a, b, pair)
         return pair
 
-    def _launch_moves(self, moves: List[Tuple[Any, int, int]], stream: Any, pending: list) -> None:
-        """Launch prepared fused moves ``[(move, ids address, n)]`` (one per table, one op)
-        in order, two tables' in one launch where their kernels pair
-        (:func:`stpipe.host._prepare_pair`). Stream: ``stream``; issue lock held."""
-        i, count = 0, len(moves)
+    def _launch_paired(self, calls: List[Tuple[Any, Tuple[int, ...]]], make: Callable[[Any, Any], Any],
+                       tail: Tuple[Any, ...]) -> None:
+        """Make the prepared launches ``calls`` (``[(prepared, args)]``, one per table, one
+        kind) in order, two tables' as one where ``make`` pairs them (cached,
+        :meth:`_paired`): ``prepared(*args, *tail)`` alone, ``pair(*args, *args2, *tail)``
+        paired. Issue lock held; the stream is in ``tail``."""
+        i, count = 0, len(calls)
         while i < count:
-            move, ptr, n = moves[i]
+            fn, args = calls[i]
             if self._pair and i + 1 < count:
-                move2, ptr2, n2 = moves[i + 1]
-                pair = self._paired(move, move2, _prepare_pair)
+                fn2, args2 = calls[i + 1]
+                pair = self._paired(fn, fn2, make)
                 if pair is not None:
-                    pair(ptr, n, ptr2, n2, stream, pending)
+                    pair(*args, *args2, *tail)
                     i += 2
                     continue
-            move(ptr, n, stream, pending)
-            i += 1
-
-    def _launch_carries(self, launches: List[Tuple[Any, int, int, int]]) -> None:
-        """Launch prepared carries ``[(carry, from address, to address, n)]`` (one per
-        table) in order, two tables' in one launch where their kernels pair
-        (``CupyBackend.prepare_carry_pair``). Stream: the copy stream; issue lock held."""
-        cs = self._copy_stream
-        i, count = 0, len(launches)
-        while i < count:
-            carry, src, dst, n = launches[i]
-            if self._pair and i + 1 < count:
-                carry2, src2, dst2, n2 = launches[i + 1]
-                pair = self._paired(carry, carry2, _pair_carries)
-                if pair is not None:
-                    pair(src, dst, n, src2, dst2, n2, cs)
-                    i += 2
-                    continue
-            carry(src, dst, n, cs)
+            fn(*args, *tail)
             i += 1
 
 

@@ -966,3 +966,39 @@ def test_prefetch_thread_reads_a_bounded_distance_ahead(depth):
                 ahead.append(len(pulled) - (step.index + 1))
     assert max(ahead) <= depth + 1, ahead
     assert max(ahead) >= depth, ahead  # it did run ahead
+
+
+@pytest.mark.parametrize("pair_on", [True, False])
+def test_paired_launches_keep_order_and_arguments(pair_on):
+    """The pipeline's launcher of per-table prepared launches (CUDA-only in real runs; here
+    with stand-ins): two neighbours become one paired call with both argument lists and the
+    shared tail, in table order; a pair the maker refuses, an odd last one, or pairing off
+    launches each alone with its own arguments; a pair is made once per pair of objects."""
+    emb = HostEmbedding(10, 2)
+    pipe = Pipeline(emb, ids=lambda b: b)
+    pipe._pair = pair_on
+    calls, made = [], []
+
+    def single(name):
+        return lambda *a: calls.append((name, a))
+
+    a, b, c, d, e = (single(x) for x in "abcde")
+
+    def make(x, y):
+        made.append((x, y))
+        return None if x is c else (lambda *args: calls.append(("pair", args)))
+
+    items = [(a, (1, 10)), (b, (2, 20)), (c, (3, 30)), (d, (4, 40)), (e, (5, 50))]
+    tail = ("stream", "pending")
+    pipe._launch_paired(items, make, tail)
+    if pair_on:
+        # a+b pair; c+d refused -> c alone; d+e pair
+        assert calls == [("pair", (1, 10, 2, 20) + tail), ("c", (3, 30) + tail), ("pair", (4, 40, 5, 50) + tail)]
+        assert made == [(a, b), (c, d), (d, e)]
+        calls.clear()
+        pipe._launch_paired(items, make, tail)  # the pairs (and the refusal) are cached
+        assert len(made) == 3 and len(calls) == 3
+    else:
+        assert calls == [(n, args + tail) for n, args in zip("abcde", (i[1] for i in items))]
+        assert made == []
+    pipe.close()
