@@ -46,7 +46,7 @@ class _Part:
     """One ids object of a step for this table: its slice of the step's inverse."""
 
     ids: Any
-    inverse: torch.Tensor  # int64 on the device, the ids' shape
+    inverse: torch.Tensor  # int32 (or int64) on the device, the ids' shape
     alias: Any = None  # the ids' copy in the step's moved batch (step.batch), if any
 
 

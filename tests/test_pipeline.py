@@ -968,6 +968,29 @@ def test_prefetch_thread_reads_a_bounded_distance_ahead(depth):
     assert max(ahead) >= depth, ahead  # it did run ahead
 
 
+@pytest.mark.parametrize("depth", [0, 1])
+def test_int32_inverses_change_no_result(depth):
+    """The lookups' index tensors are int32 (``Pipeline._inv32``, the default) or int64:
+    the same tables and state bit for bit, on every pattern's ids."""
+    got = {}
+    for inv32 in (False, True):
+        emb = make_emb()
+        opt = OPTIMIZERS["adam"](emb.parameters())
+        seen = set()
+        with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=depth) as pipe:
+            pipe._inv32 = inv32
+            data = [b for pattern in PATTERNS for b in make_batches(pattern, steps=4)]
+            for step in pipe.run(data):
+                with step:
+                    seen.update(part.inverse.dtype for part in emb._binding.parts)
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+        assert seen == {torch.int32 if inv32 else torch.int64}
+        got[inv32] = snapshot(emb, opt)
+    assert_same(got[False], got[True])
+
+
 @pytest.mark.parametrize("pair_on", [True, False])
 def test_paired_launches_keep_order_and_arguments(pair_on):
     """The pipeline's launcher of per-table prepared launches (CUDA-only in real runs; here

@@ -392,3 +392,42 @@ def test_gpu_paired_launches_change_no_result(cuda_device, depth, tables, opt_na
     else:  # four planes once the state is known; before that (the first batches' gathers
         # and carries: rows only) they may pair
         assert "scatter_pair" not in pairs and "scatter_many" in paired
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("lean", [True, False])
+def test_gpu_int32_inverses_change_no_result(cuda_device, depth, lean):
+    """The lookups' index tensors go to the device as int32 (``Pipeline._inv32``): the
+    tables and Adam state come out bit-identical to int64 indices, with lookups both under
+    and over the 3072 indices past which ``torch.embedding``'s CUDA backward sorts them;
+    on both upload paths (the lean one and the general one)."""
+    rng = np.random.default_rng(11)
+    data = [{"c": torch.from_numpy((rng.zipf(1.2, 256) - 1) % NUM_ROWS),
+             "p": torch.from_numpy((rng.zipf(1.2, (256, 4)) - 1) % NUM_ROWS),
+             "n": torch.from_numpy((rng.zipf(1.2, (256, 24)) - 1) % NUM_ROWS)} for _ in range(20)]
+
+    def run(inv32):
+        e_in, e_out = make_emb(cuda_device, 3), make_emb(cuda_device, 4)
+        opt = torch.optim.Adam(list(e_in.parameters()) + list(e_out.parameters()), lr=0.01)
+        dtypes = set()
+        with Pipeline({"in": e_in, "out": e_out}, optimizer=opt, depth=depth,
+                      ids=lambda b: {"in": b["c"], "out": (b["p"], b["n"])}) as pipe:
+            pipe._inv32 = inv32
+            pipe._lean = lean
+            for step in pipe.run(data):
+                with step:
+                    p, n = step.ids["out"]
+                    dtypes.update(part.inverse.dtype for e in (e_in, e_out) for part in e._binding.parts)
+                    u = e_in(step.ids["in"])
+                    sp = torch.einsum("bd,bpd->bp", u, e_out(p))
+                    sn = torch.einsum("bd,bnd->bn", u, e_out(n))
+                    (-(torch.nn.functional.logsigmoid(sp).sum() + torch.nn.functional.logsigmoid(-sn).sum())).backward()
+                    opt.step()
+                    opt.zero_grad()
+        return snapshot(e_in, opt), snapshot(e_out, opt), dtypes
+
+    ref = run(False)
+    got = run(True)
+    assert ref[2] == {torch.int64} and got[2] == {torch.int32}
+    assert_same(ref[0], got[0])
+    assert_same(ref[1], got[1])
