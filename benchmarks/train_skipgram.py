@@ -34,7 +34,8 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
   kernel per step instead of a dozen foreach launches; same update rule);
 * ``compute_only`` / ``compute_only_fused``: the user's step alone on GPU-resident working
-  rows of each step's size (no tables, no transfers): the lower bound of the design;
+  rows of each step's size (no tables, no transfers), its lookups' indices of the dtype
+  the pipeline gives them (int32 since stop 38): the lower bound of the design;
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed);
 * on request (``--methods``): ``stpipe_depth1_ids_only`` (depth 1 with
@@ -378,15 +379,18 @@ def _speedtorch_step(args, dev, adam: bool, compat: bool):
 def _compute_only_step(args, dev, batches, fused=False):
     """The compute-only step function and its per-batch work items (see
     :func:`run_compute_only`)."""
+    from stpipe.pipeline import Pipeline
     from stpipe.planner import plan as _plan
 
+    # the lookups' index dtype the pipeline gives the same step (int32 since stop 38)
+    idx_dtype = torch.int32 if Pipeline._inv32 else torch.int64
     work = []
     for b in batches:
         pin = _plan(b["centre"].numpy(), args.rows)
         ctx = torch.cat([b["pos"].reshape(-1), b["neg"].reshape(-1)]).numpy()
         pout = _plan(ctx, args.rows)
-        inv = torch.as_tensor(pout.inverse, device=dev)
-        work.append((pin.num_unique, torch.as_tensor(pin.inverse, device=dev), pout.num_unique,
+        inv = torch.as_tensor(pout.inverse, device=dev, dtype=idx_dtype)
+        work.append((pin.num_unique, torch.as_tensor(pin.inverse, device=dev, dtype=idx_dtype), pout.num_unique,
                      inv[: BATCH * POS].view(BATCH, POS), inv[BATCH * POS:].view(BATCH, NEG)))
     kmax_in = max(w[0] for w in work)
     kmax_out = max(w[2] for w in work)
