@@ -1256,9 +1256,10 @@ class Pipeline:
         numpy holds); False (nothing done) otherwise.
 
         Layout of the one device buffer: the inverses and the batch's tensors of the
-        inverses' dtype (:func:`_inverse_host`) back to back, then the batch's tensors of each other dtype (from a 256-byte boundary),
-        then the unique ids and overlaps. So every tensor view of the batch comes from one
-        ``unflatten_dense_tensors`` per dtype instead of a slice and a reshape each.
+        inverses' dtype (:func:`_inverse_host`) back to back, then the batch's tensors of
+        each other dtype (from a 256-byte boundary), then the unique ids and overlaps. So
+        every tensor view of the batch comes from one ``unflatten_dense_tensors`` per dtype
+        instead of a slice and a reshape each.
 
         Stream: the copy stream, from this pipeline's own pinned ring (only the issuing
         thread allocates from it). The copy gets no event of its own: :meth:`_gather`
