@@ -1006,12 +1006,18 @@ class _PreparedMove:
         self._mover = mover
         self._launch = launch if launch is not None else mover.prepare_many(op, [t._data for t in tables], planes)
 
-    def __call__(self, ids_ptr: int, n: int, stream: "torch.cuda.Stream",
-                 pending: Optional[list] = None) -> None:
+    def _order(self, stream: "torch.cuda.Stream") -> None:
+        """Check the tables are open and order this access after conflicting ones on
+        other streams (:meth:`HostTable._before`), before the launch."""
         mover, write = self._mover, self.write
         for t in self.tables:
             t._check_open()
             t._before(mover, stream, write=write)
+
+    def __call__(self, ids_ptr: int, n: int, stream: "torch.cuda.Stream",
+                 pending: Optional[list] = None) -> None:
+        mover, write = self._mover, self.write
+        self._order(stream)
         self._launch(ids_ptr, n, stream)
         if pending is not None:
             pending.append((mover, self.tables, write))
@@ -1034,11 +1040,8 @@ class _PreparedMovePair:
 
     def __call__(self, ids_a: int, n_a: int, ids_b: int, n_b: int, stream: "torch.cuda.Stream",
                  pending: list) -> None:
-        for m in (self.a, self.b):
-            mover, write = m._mover, m.write
-            for t in m.tables:
-                t._check_open()
-                t._before(mover, stream, write=write)
+        self.a._order(stream)
+        self.b._order(stream)
         self._launch(ids_a, n_a, ids_b, n_b, stream)
         pending.append((self.a._mover, self.a.tables, self.a.write))
         pending.append((self.b._mover, self.b.tables, self.b.write))

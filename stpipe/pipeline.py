@@ -1767,14 +1767,15 @@ class Pipeline:
             self._inflight.pop(f.index, None)
 
     def _carry(self, name: Any, f: _Flight, g: _Flight, pp: _DevIds, np_: _DevIds,
-               launches: Optional[list] = None) -> None:
+               launches: list) -> None:
         """Copy the rows (and state) batch ``g`` shares with ``f`` from ``f``'s slot into
         ``g``'s: ``g[np_] = f[pp]`` for the planes both hold (issue lock held; stream: the
         copy stream, after ``f``'s compute: the carry kernel is given it, the torch
-        fallbacks make it current). ``launches``: a list that takes the prepared carry
-        kernel's call as ``(carry, (from address, to address, n))`` instead of launching it
-        (the caller launches it with :meth:`_launch_paired` before recording ``g``'s
-        ready event)."""
+        fallbacks make it current). ``launches`` takes the prepared carry kernel's call as
+        ``(carry, (from address, to address, n))``, one launch for all its planes; the
+        caller launches it with :meth:`_launch_paired` before recording ``g``'s ready
+        event (the torch fallbacks below write other planes or buffers, so the order
+        between them does not matter)."""
         slots = self._slots[name]
         ftf, gtf = f.tables[name], g.tables[name]
         keys = gtf.keys  # f's slot holds every known key (ensured in its write-back)
@@ -1785,10 +1786,8 @@ class Pipeline:
             m += 1
         src, dst = slots.stack[f.slot], slots.stack[g.slot]
         carry = slots.carry(f.slot, g.slot, 1 + m) if self._cuda else None
-        if carry is not None and launches is not None:
+        if carry is not None:
             launches.append((carry, (pp.ptr, np_.ptr, pp.n)))
-        elif carry is not None:
-            carry(pp.ptr, np_.ptr, pp.n, self._copy_stream)  # one launch for all 1 + m planes
         else:
             pt, nt = pp.tensor(), np_.tensor()
             with on_stream(self._copy_stream) if self._cuda else contextlib.nullcontext():
