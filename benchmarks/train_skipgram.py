@@ -33,6 +33,10 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   step of slack before the training thread waits for it;
 * ``stpipe_depth1_fused``: the same with ``torch.optim.Adam(fused=True)`` (one fused
   kernel per step instead of a dozen foreach launches; same update rule);
+* ``speedtorch_adam_fused``: ``speedtorch_adam`` with ``torch.optim.Adam(fused=True)`` (its
+  ``step`` state then a tensor on the GPU, where fused Adam keeps it): the SpeedTorch row
+  ``stpipe_depth1_fused`` is compared with, so both run the same optimizer
+  (``ratio_to_speedtorch_adam_fused``);
 * ``compute_only`` / ``compute_only_fused``: the user's step alone on GPU-resident working
   rows of each step's size (no tables, no transfers), its lookups' indices of the dtype
   the pipeline gives them (int32 since stop 38): the lower bound of the design;
@@ -66,8 +70,10 @@ steps; a ratio to the ceiling is the median of the per-round ratios. On the shar
 hosts one configuration's speed moved by up to 30% within seconds (RESULTS.md,
 2026-12-04), so blocks a fraction of a second apart compare the methods on the same
 machine state. It runs ``gpu_sparse_adam``, ``compute_only``, the SpeedTorch and compat rows
-and the stpipe rows ``stpipe_depth0``, ``stpipe_depth1`` and ``stpipe_depth1_delay`` (their ratios to
-SpeedTorch are medians of per-block ratios too); its rows report no CPU times. Every
+and the stpipe rows ``stpipe_depth0``, ``stpipe_depth1``, ``stpipe_depth1_nodelay`` and
+``stpipe_depth1_delay``, and the fused-Adam rows ``compute_only_fused``,
+``speedtorch_adam_fused`` and ``stpipe_depth1_fused`` (the last over tables of its own)
+(their ratios to SpeedTorch are medians of per-block ratios too); its rows report no CPU times. Every
 method's tables are in memory at once: at 10M rows each pinned-table method holds about
 31 GB of host memory and the ceiling 31 GB of GPU memory.
 
@@ -290,33 +296,35 @@ def run_naive(args, dev, batches):
     return res
 
 
-def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False):
+def run_speedtorch(args, dev, batches, adam: bool = False, compat: bool = False, fused: bool = False):
     """SpeedTorch's documented skip-gram pattern (speedtorch-api.md): dummy embeddings of
     batch size, ``ModelFactory`` switchers (and ``OptimizerFactory`` ones for Adam) around
     the step. ``compat=True`` runs the very same code through ``stpipe.compat.speedtorch``
-    (the one-line import change), with no fix applied to it."""
-    step = _speedtorch_step(args, dev, adam, compat)
+    (the one-line import change), with no fix applied to it. ``fused=True``: its Adam is
+    ``torch.optim.Adam(fused=True)`` (the baseline of ``stpipe_depth1_fused``)."""
+    step = _speedtorch_step(args, dev, adam, compat, fused)
     if isinstance(step, dict):
         return step  # skipped
     res = timed(dev, args.warmup, numpy_batches(batches), step)
-    res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note=_speedtorch_note(adam, compat))
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb(), note=_speedtorch_note(adam, compat, fused))
     return res
 
 
-def _speedtorch_note(adam: bool, compat: bool) -> str:
+def _speedtorch_note(adam: bool, compat: bool, fused: bool = False) -> str:
     if compat:
         return (f"stpipe.compat.speedtorch, SpeedTorch's code unchanged, {'Adam' if adam else 'SGD'}: "
                 "duplicate ids deduplicated (summed gradients, one write-back)")
     if adam:
-        return ("SpeedTorch 0.1.6 ModelFactory + OptimizerFactory (CPUPinn=True), Adam lr 1e-3; its int "
-                "'step' state replaced by a tensor (the one change); no dedup")
+        return (f"SpeedTorch 0.1.6 ModelFactory + OptimizerFactory (CPUPinn=True), Adam{'(fused=True)' * fused} "
+                "lr 1e-3; its int 'step' state replaced by a tensor (the one change); no dedup")
     return ("SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: no optimizer state moves "
             "(lighter workload); no dedup")
 
 
-def _speedtorch_step(args, dev, adam: bool, compat: bool):
+def _speedtorch_step(args, dev, adam: bool, compat: bool, fused: bool = False):
     """The SpeedTorch-pattern model, switchers and step function (a batch of numpy ids in,
-    the loss out), or ``{"skipped": why}`` when SpeedTorch cannot run here."""
+    the loss out), or ``{"skipped": why}`` when SpeedTorch cannot run here. ``fused``: Adam
+    with ``fused=True``."""
     if compat:
         import stpipe.compat.speedtorch as SpeedTorch  # noqa: N813
     else:
@@ -343,7 +351,7 @@ def _speedtorch_step(args, dev, adam: bool, compat: bool):
     v_sw.zerosInit()
     u_sws, v_sws = [u_sw], [v_sw]
     if adam:
-        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        opt = torch.optim.Adam(model.parameters(), lr=LR, **({"fused": True} if fused else {}))
         u_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "u_embeddings", CPUPinn=True)
         v_opt = SpeedTorch.OptimizerFactory(opt, args.rows, DIM, model, "v_embeddings", CPUPinn=True)
         if not compat:
@@ -516,11 +524,15 @@ class _Stpipe:
         return res
 
 
+#: the SpeedTorch rows the stpipe and compat rows are also compared with, where they ran
+SPEEDTORCH_BASES = ("speedtorch_adam", "speedtorch_sgd", "speedtorch_adam_fused")
+
+
 def _baselines(name: str):
     """``(key, base)`` for each row ``name`` gets a ratio to: every row to the ceiling
     (``ratio_to_ceiling``), the stpipe and compat rows also to SpeedTorch's
-    (``ratio_to_speedtorch_adam`` / ``_sgd``); never a row to itself."""
-    for base in ("gpu_sparse_adam", "speedtorch_adam", "speedtorch_sgd"):
+    (``ratio_to_speedtorch_adam`` / ``_sgd`` / ``_adam_fused``); never a row to itself."""
+    for base in ("gpu_sparse_adam",) + SPEEDTORCH_BASES:
         if name == base or (base != "gpu_sparse_adam" and not name.startswith(("stpipe", "compat"))):
             continue
         yield ("ratio_to_ceiling" if base == "gpu_sparse_adam" else f"ratio_to_{base}"), base
@@ -529,10 +541,29 @@ def _baselines(name: str):
 #: methods ``--interleave`` can run (tables of all of them live in one process)
 INTERLEAVE_METHODS = ("gpu_sparse_adam", "compute_only", "speedtorch_sgd", "speedtorch_adam", "compat_sgd",
                       "compat_adam", "stpipe_depth0", "stpipe_depth1", "stpipe_depth1_nodelay",
-                      "stpipe_depth1_delay")
+                      "stpipe_depth1_delay", "compute_only_fused", "speedtorch_adam_fused",
+                      "stpipe_depth1_fused")
 #: steps at the start of each interleaved block that are not timed (a stpipe block starts
 #: a new ``Pipeline.run``: its prefetch thread starts and its first gather is not overlapped)
 INTERLEAVE_SKIP = 5
+
+
+def _stpipe_block(st: "_Stpipe", pipe: Any, batches, dev) -> Callable[[List[int]], float]:
+    """A block of ``pipe`` (over ``st``'s tables) for :func:`run_interleaved`: one
+    ``pipe.run`` over the batches ``idx``, timed from its step ``INTERLEAVE_SKIP`` to the
+    end of its last step's GPU work."""
+    def run_block(idx):
+        t0 = t1 = None
+        for step in pipe.run([batches[j] for j in idx]):
+            if step.index == INTERLEAVE_SKIP:
+                sync(dev)
+                t0 = time.perf_counter()
+            st.train(step)
+            if step.index == len(idx) - 1:
+                sync(dev)
+                t1 = time.perf_counter()
+        return t1 - t0
+    return run_block
 
 
 def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, Any]:
@@ -570,7 +601,8 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
 
     for m in methods:
         if m.startswith(("speedtorch", "compat")):
-            step = _speedtorch_step(args, dev, adam=m.endswith("adam"), compat=m.startswith("compat"))
+            step = _speedtorch_step(args, dev, adam=m.endswith(("adam", "adam_fused")),
+                                    compat=m.startswith("compat"), fused=m.endswith("_fused"))
             if isinstance(step, dict):
                 skipped[m] = step
                 log(f"   {m}: {step['skipped']}")
@@ -578,8 +610,14 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             runs[m] = serial(step, numpy_batches(batches))
         elif m == "gpu_sparse_adam":
             runs[m] = serial(_ceiling_step(args, dev), device_batches(batches, dev))
-        elif m == "compute_only":
-            runs[m] = serial(*_compute_only_step(args, dev, batches))
+        elif m in ("compute_only", "compute_only_fused"):
+            runs[m] = serial(*_compute_only_step(args, dev, batches, fused=m.endswith("_fused")))
+        elif m == "stpipe_depth1_fused":  # its own tables: fused Adam's state is its own
+            stf = _Stpipe(args, dev, fused=True)
+            log(f"stpipe tables (fused Adam) ready in {stf.setup_s:.1f} s")
+            pipe = stf.pipeline(1)
+            closers.append(pipe.close)
+            runs[m] = _stpipe_block(stf, pipe, batches, dev)
         else:
             if st is None:
                 st = _Stpipe(args, dev)
@@ -589,19 +627,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
                      "stpipe_depth1_nodelay": 0.0}.get(m, "auto")
             pipe = st.pipeline(depth, prefetch_delay=delay)
             closers.append(pipe.close)
-
-            def run_block(idx, pipe=pipe):
-                t0 = t1 = None
-                for step in pipe.run([batches[j] for j in idx]):
-                    if step.index == INTERLEAVE_SKIP:
-                        sync(dev)
-                        t0 = time.perf_counter()
-                    st.train(step)
-                    if step.index == len(idx) - 1:
-                        sync(dev)
-                        t1 = time.perf_counter()
-                return t1 - t0
-            runs[m] = run_block
+            runs[m] = _stpipe_block(st, pipe, batches, dev)
     methods = [m for m in methods if m in runs]
     n = len(batches)
     per = block + INTERLEAVE_SKIP
@@ -632,7 +658,8 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             row[f"blocks_{key}"] = [round(x, 4) for x in ratios]
             row[f"blocks_faster_than_{key[len('ratio_to_'):]}"] = sum(x >= 1.0 for x in ratios)
         if m.startswith(("speedtorch", "compat")):
-            row["note"] = _speedtorch_note(m.endswith("adam"), m.startswith("compat"))
+            row["note"] = _speedtorch_note(m.endswith(("adam", "adam_fused")), m.startswith("compat"),
+                                           m.endswith("_fused"))
         row.update(gpu_mem(dev), host_rss_gb=rss_gb())
         out[m] = row
     out.update(skipped)
@@ -871,9 +898,9 @@ def main(argv=None) -> int:
                 results[m] = run_ceiling(args, dev, batches)
             elif m == "naive_host":
                 results[m] = run_naive(args, dev, batches)
-            elif m in ("speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam"):
-                results[m] = run_speedtorch(args, dev, batches, adam=m.endswith("adam"),
-                                            compat=m.startswith("compat"))
+            elif m in ("speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam", "speedtorch_adam_fused"):
+                results[m] = run_speedtorch(args, dev, batches, adam=m.endswith(("adam", "adam_fused")),
+                                            compat=m.startswith("compat"), fused=m.endswith("_fused"))
             elif m in ("compute_only", "compute_only_fused"):
                 results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
             elif m == "stpipe_depth1_switch":
@@ -939,7 +966,7 @@ def main(argv=None) -> int:
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
         log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
-        if m in ("gpu_sparse_adam", "naive_host", "speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam"):
+        if m in ("gpu_sparse_adam", "naive_host", "compat_sgd", "compat_adam") + SPEEDTORCH_BASES:
             gc.collect()
     ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")
     for r in results.values():
@@ -955,7 +982,7 @@ def main(argv=None) -> int:
         log(f"{name:<24}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r.get('ratio_to_ceiling', float('nan')):>11.2f}"
             f"{r['gpu_peak_alloc_gb']:>13.2f}{r['gpu_used_gb']:>13.2f}{r['host_rss_gb']:>13.2f}"
             f"{r.get('train_cpu_ms_per_step', float('nan')):>14.2f}{r.get('prefetch_cpu_ms_per_step', float('nan')):>17.2f}")
-    for base in ("speedtorch_adam", "speedtorch_sgd"):
+    for base in SPEEDTORCH_BASES:
         b = results.get(base, {}).get("steps_per_s")
         if not b:
             continue

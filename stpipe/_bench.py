@@ -109,10 +109,14 @@ def _speedtorch_step_fix(opt: torch.optim.Optimizer) -> None:
     """Make SpeedTorch 0.1.6's ``OptimizerFactory`` state usable on PyTorch 2.x, the one
     change the benchmarks make to it: it seeds ``state['step'] = 0`` (a Python int) and
     torch's Adam needs a tensor there, so each int step becomes
-    ``torch.tensor(float(step))``, what Adam's own state init creates."""
-    for st in opt.state.values():
-        if isinstance(st.get("step"), int):
-            st["step"] = torch.tensor(float(st["step"]))
+    ``torch.tensor(float(step))``, what Adam's own state init creates: on the CPU, or on
+    the parameter's device for a ``fused`` or ``capturable`` group (where Adam keeps it)."""
+    for group in opt.param_groups:
+        on_param = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st is not None and isinstance(st.get("step"), int):
+                st["step"] = torch.tensor(float(st["step"]), device=p.device if on_param else None)
 
 
 def _round_orders(names: List[str], rounds: int) -> List[List[str]]:

@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import pytest
+import torch
 
 _BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
@@ -225,9 +226,9 @@ def test_interleave_ratios_to_speedtorch_are_per_block(ts, tmp_path, monkeypatch
     real = ts._speedtorch_step
     made = []
 
-    def fake(args, dev, adam, compat):
+    def fake(args, dev, adam, compat, fused=False):
         made.append((adam, compat))
-        return real(args, dev, adam, True)
+        return real(args, dev, adam, True, fused)
     monkeypatch.setattr(ts, "_speedtorch_step", fake)
     assert ts.main(["--quick", "--interleave", "10", "--methods", "speedtorch_adam,compat_adam,stpipe_depth0",
                     "--out", str(tmp_path)]) == 0
@@ -244,10 +245,49 @@ def test_interleave_ratios_to_speedtorch_are_per_block(ts, tmp_path, monkeypatch
     assert rows["compat_adam"]["note"].startswith("stpipe.compat.speedtorch")
 
 
+def test_interleave_fused_rows_run_fused_adam_against_fused_speedtorch(ts, tmp_path, monkeypatch):
+    """The fused-Adam rows: ``speedtorch_adam_fused`` builds SpeedTorch's pattern with
+    ``Adam(fused=True)``, ``stpipe_depth1_fused`` and ``compute_only_fused`` step fused Adam
+    too, and the stpipe row's ratio to the fused SpeedTorch row is per block."""
+    import json
+    import statistics
+
+    real = ts._speedtorch_step
+    made, opts = [], []
+
+    def fake(args, dev, adam, compat, fused=False):
+        made.append((adam, compat, fused))
+        return real(args, dev, adam, True, fused)  # SpeedTorch is not installed here
+    monkeypatch.setattr(ts, "_speedtorch_step", fake)
+    real_adam = torch.optim.Adam
+
+    def adam(params, **kw):
+        opts.append(kw.get("fused"))
+        return real_adam(params, **kw)
+    monkeypatch.setattr(torch.optim, "Adam", adam)
+    assert ts.main(["--quick", "--interleave", "10", "--methods",
+                    "speedtorch_adam_fused,stpipe_depth1_fused,compute_only_fused", "--out", str(tmp_path)]) == 0
+    assert made == [(True, False, True)]  # Adam, SpeedTorch itself, fused
+    assert opts == [True, True, True]  # SpeedTorch's, compute_only's and stpipe's Adam
+    rows = json.load(open(tmp_path / "train_skipgram.json"))["results"]
+    assert "Adam(fused=True)" in rows["speedtorch_adam_fused"]["note"]
+    base = rows["speedtorch_adam_fused"]["blocks_ms_per_step"]
+    ratios = [b / t for b, t in zip(base, rows["stpipe_depth1_fused"]["blocks_ms_per_step"])]
+    assert rows["stpipe_depth1_fused"]["ratio_to_speedtorch_adam_fused"] == pytest.approx(
+        statistics.median(ratios), rel=1e-3)
+    assert "ratio_to_speedtorch_adam" not in rows["stpipe_depth1_fused"]  # that row did not run
+    assert "ratio_to_speedtorch_adam_fused" not in rows["compute_only_fused"]
+
+
+def test_speedtorch_note_names_fused_adam(ts):
+    assert "Adam(fused=True)" in ts._speedtorch_note(True, False, True)
+    assert "fused" not in ts._speedtorch_note(True, False)
+
+
 def test_interleave_reports_a_speedtorch_that_cannot_run(ts, tmp_path, monkeypatch):
     import json
 
-    monkeypatch.setattr(ts, "_speedtorch_step", lambda args, dev, adam, compat: {"skipped": "no SpeedTorch"})
+    monkeypatch.setattr(ts, "_speedtorch_step", lambda args, dev, adam, compat, fused=False: {"skipped": "no SpeedTorch"})
     assert ts.main(["--quick", "--interleave", "10", "--methods", "speedtorch_sgd,stpipe_depth0",
                     "--out", str(tmp_path)]) == 0
     rows = json.load(open(tmp_path / "train_skipgram.json"))["results"]

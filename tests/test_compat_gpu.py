@@ -369,3 +369,29 @@ def test_fused_moves_are_prepared_once_per_buffer(monkeypatch):
     assert fused.keys() == plain.keys()
     for key in plain:
         np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bench_speedtorch_step_fix_on_cuda(fused):
+    """The benchmarks' fix of SpeedTorch 0.1.6's int ``step`` on CUDA parameters: foreach
+    Adam keeps ``step`` on the CPU, fused Adam on the parameter's device (it refuses a CPU
+    one); either way the fixed state steps like Adam's own."""
+    from stpipe._bench import _speedtorch_step_fix
+
+    kw = {"fused": True} if fused else {}
+    p = torch.nn.Parameter(torch.zeros(3, 2, device="cuda"))
+    opt = torch.optim.Adam([p], lr=0.1, **kw)
+    opt.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    _speedtorch_step_fix(opt)
+    step = opt.state[p]["step"]
+    assert step.dtype == torch.float32
+    assert step.device == (p.device if fused else torch.device("cpu"))
+    ref = torch.nn.Parameter(torch.zeros(3, 2, device="cuda"))
+    ref_opt = torch.optim.Adam([ref], lr=0.1, **kw)
+    for i in range(3):
+        g = torch.full((3, 2), float(i + 1), device="cuda")
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    assert float(opt.state[p]["step"]) == 3.0
+    assert torch.equal(p.detach(), ref.detach())

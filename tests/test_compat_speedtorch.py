@@ -875,17 +875,20 @@ def test_tensor_store_scatter_last_unchecked_ids_raise_and_write_nothing():
     assert torch.equal(store.t, want)
 
 
-def test_bench_speedtorch_step_fix_turns_int_steps_into_tensors():
+@pytest.mark.parametrize("fused", [False, True])
+def test_bench_speedtorch_step_fix_turns_int_steps_into_tensors(fused):
     """The benchmarks' one change to SpeedTorch 0.1.6's optimizer state: its int ``step``
-    becomes the tensor Adam expects, other state is left alone, and Adam then steps."""
+    becomes the tensor Adam expects (float32; on the parameter's device for fused Adam),
+    other state is left alone, and Adam then steps."""
     from stpipe._bench import _speedtorch_step_fix
 
     p = torch.nn.Parameter(torch.zeros(3, 2))
-    opt = torch.optim.Adam([p], lr=0.1)
+    opt = torch.optim.Adam([p], lr=0.1, **({"fused": True} if fused else {}))
     avg = torch.zeros(3, 2)
     opt.state[p].update(step=0, exp_avg=avg, exp_avg_sq=torch.zeros(3, 2))  # as SpeedTorch seeds it
     _speedtorch_step_fix(opt)
     assert torch.is_tensor(opt.state[p]["step"]) and float(opt.state[p]["step"]) == 0.0
+    assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].device == p.device
     assert opt.state[p]["exp_avg"] is avg
     p.grad = torch.ones(3, 2)
     opt.step()
