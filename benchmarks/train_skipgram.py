@@ -107,7 +107,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 from unittest import mock
 
 import numpy as np
@@ -319,6 +319,13 @@ def _speedtorch_note(adam: bool, compat: bool, fused: bool = False) -> str:
                 "lr 1e-3; its int 'step' state replaced by a tensor (the one change); no dedup")
     return ("SpeedTorch 0.1.6 ModelFactory(CPUPinn=True) + SGD: no optimizer state moves "
             "(lighter workload); no dedup")
+
+
+def _speedtorch_kind(name: str) -> Tuple[bool, bool, bool]:
+    """``(adam, compat, fused)`` of a SpeedTorch or compat row's name, the arguments of
+    :func:`_speedtorch_step`, :func:`run_speedtorch` and :func:`_speedtorch_note`
+    (``speedtorch_adam_fused``: Adam, SpeedTorch itself, fused)."""
+    return name.endswith(("adam", "adam_fused")), name.startswith("compat"), name.endswith("_fused")
 
 
 def _speedtorch_step(args, dev, adam: bool, compat: bool, fused: bool = False):
@@ -601,8 +608,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
 
     for m in methods:
         if m.startswith(("speedtorch", "compat")):
-            step = _speedtorch_step(args, dev, adam=m.endswith(("adam", "adam_fused")),
-                                    compat=m.startswith("compat"), fused=m.endswith("_fused"))
+            step = _speedtorch_step(args, dev, *_speedtorch_kind(m))
             if isinstance(step, dict):
                 skipped[m] = step
                 log(f"   {m}: {step['skipped']}")
@@ -658,8 +664,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             row[f"blocks_{key}"] = [round(x, 4) for x in ratios]
             row[f"blocks_faster_than_{key[len('ratio_to_'):]}"] = sum(x >= 1.0 for x in ratios)
         if m.startswith(("speedtorch", "compat")):
-            row["note"] = _speedtorch_note(m.endswith(("adam", "adam_fused")), m.startswith("compat"),
-                                           m.endswith("_fused"))
+            row["note"] = _speedtorch_note(*_speedtorch_kind(m))
         row.update(gpu_mem(dev), host_rss_gb=rss_gb())
         out[m] = row
     out.update(skipped)
@@ -899,8 +904,7 @@ def main(argv=None) -> int:
             elif m == "naive_host":
                 results[m] = run_naive(args, dev, batches)
             elif m in ("speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam", "speedtorch_adam_fused"):
-                results[m] = run_speedtorch(args, dev, batches, adam=m.endswith(("adam", "adam_fused")),
-                                            compat=m.startswith("compat"), fused=m.endswith("_fused"))
+                results[m] = run_speedtorch(args, dev, batches, *_speedtorch_kind(m))
             elif m in ("compute_only", "compute_only_fused"):
                 results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
             elif m == "stpipe_depth1_switch":
