@@ -533,6 +533,9 @@ class _Stpipe:
 
 #: the SpeedTorch rows the stpipe and compat rows are also compared with, where they ran
 SPEEDTORCH_BASES = ("speedtorch_adam", "speedtorch_sgd", "speedtorch_adam_fused")
+#: every row that runs SpeedTorch's pattern (:func:`run_speedtorch`): SpeedTorch itself and
+#: the same code through the compat layer
+SPEEDTORCH_ROWS = SPEEDTORCH_BASES + ("compat_sgd", "compat_adam")
 
 
 def _baselines(name: str):
@@ -903,7 +906,7 @@ def main(argv=None) -> int:
                 results[m] = run_ceiling(args, dev, batches)
             elif m == "naive_host":
                 results[m] = run_naive(args, dev, batches)
-            elif m in ("speedtorch_sgd", "speedtorch_adam", "compat_sgd", "compat_adam", "speedtorch_adam_fused"):
+            elif m in SPEEDTORCH_ROWS:
                 results[m] = run_speedtorch(args, dev, batches, *_speedtorch_kind(m))
             elif m in ("compute_only", "compute_only_fused"):
                 results[m] = run_compute_only(args, dev, batches, fused=m.endswith("fused"))
@@ -970,7 +973,7 @@ def main(argv=None) -> int:
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
         log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
-        if m in ("gpu_sparse_adam", "naive_host", "compat_sgd", "compat_adam") + SPEEDTORCH_BASES:
+        if m in ("gpu_sparse_adam", "naive_host") + SPEEDTORCH_ROWS:
             gc.collect()
     ceiling = results.get("gpu_sparse_adam", {}).get("steps_per_s")
     for r in results.values():
