@@ -610,7 +610,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
         return run_block
 
     for m in methods:
-        if m.startswith(("speedtorch", "compat")):
+        if m in SPEEDTORCH_ROWS:
             step = _speedtorch_step(args, dev, *_speedtorch_kind(m))
             if isinstance(step, dict):
                 skipped[m] = step
@@ -666,7 +666,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             row[key] = statistics.median(ratios)
             row[f"blocks_{key}"] = [round(x, 4) for x in ratios]
             row[f"blocks_faster_than_{key[len('ratio_to_'):]}"] = sum(x >= 1.0 for x in ratios)
-        if m.startswith(("speedtorch", "compat")):
+        if m in SPEEDTORCH_ROWS:
             row["note"] = _speedtorch_note(*_speedtorch_kind(m))
         row.update(gpu_mem(dev), host_rss_gb=rss_gb())
         out[m] = row
