@@ -1277,7 +1277,10 @@ class Pipeline:
             inv = tf.plan.inverse
             if inv.dtype != np.int64 or not inv.flags.c_contiguous or inv.size == 0:
                 return False
-            hosts_inv.append(_inverse_host(inv, self._inv32))
+            h = _inverse_host(inv, self._inv32)
+            if h.dtype != inv_dt:
+                return False  # int64 kept for 2**31 ids or more: the general path's case
+            hosts_inv.append(h)
             if tf.single:
                 temps_inv.append(_template(inv.shape))
             else:

@@ -431,3 +431,42 @@ def test_gpu_int32_inverses_change_no_result(cuda_device, depth, lean):
     assert ref[2] == {torch.int64} and got[2] == {torch.int32}
     assert_same(ref[0], got[0])
     assert_same(ref[1], got[1])
+
+
+def test_gpu_lean_upload_declines_wide_inverses(cuda_device, monkeypatch):
+    """A batch whose inverses stay int64 although the pipeline narrows them (what
+    :func:`_inverse_host` does for 2**31 ids or more, simulated here) is not put in the lean
+    upload's int32 run: the lean path declines it, the general path takes it, and the
+    tables and Adam state equal those of int64 inverses on the general path."""
+    import stpipe.pipeline as pl
+
+    rng = np.random.default_rng(5)
+    data = [{"c": torch.from_numpy((rng.zipf(1.2, 128) - 1) % NUM_ROWS),
+             "n": torch.from_numpy((rng.zipf(1.2, (128, 8)) - 1) % NUM_ROWS)} for _ in range(8)]
+
+    def run(lean, inv32):
+        e_in, e_out = make_emb(cuda_device, 6), make_emb(cuda_device, 7)
+        opt = torch.optim.Adam(list(e_in.parameters()) + list(e_out.parameters()), lr=0.01)
+        with Pipeline({"in": e_in, "out": e_out}, optimizer=opt, depth=1,
+                      ids=lambda b: {"in": b["c"], "out": b["n"]}) as pipe:
+            pipe._inv32 = inv32
+            pipe._lean = lean
+            took = []
+            orig = pipe._upload_lean
+            pipe._upload_lean = lambda *a: took.append(orig(*a)) or took[-1]
+            for step in pipe.run(data):
+                with step:
+                    u = e_in(step.ids["in"])
+                    s = torch.einsum("bd,bnd->bn", u, e_out(step.ids["out"]))
+                    (-torch.nn.functional.logsigmoid(-s).sum()).backward()
+                    opt.step()
+                    opt.zero_grad()
+        return snapshot(e_in, opt), snapshot(e_out, opt), took
+
+    ref = run(False, False)
+    real = pl._inverse_host
+    monkeypatch.setattr(pl, "_inverse_host", lambda inv, narrow: real(inv, False))
+    got = run(True, True)
+    assert got[2] and not any(got[2]), f"expected the lean path to decline every batch, got {got[2]}"
+    assert_same(ref[0], got[0])
+    assert_same(ref[1], got[1])
