@@ -246,11 +246,21 @@ class RowState:
 
     Raises:
         StpipeTypeError, StpipeValueError: see :func:`find_group`.
+        StpipeTypeError: ``optimizer`` is a ``torch.optim.SparseAdam``, which takes sparse
+            gradients only; the working parameter's gradient is dense (use ``Adam``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, param: torch.Tensor,
                  make_table: TableFactory) -> None:
         find_group(optimizer, param)
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            # it would fail only at the first optimizer.step(), inside the user's step
+            raise StpipeTypeError(
+                "a HostEmbedding cannot be trained by torch.optim.SparseAdam: it takes sparse "
+                "gradients only, and the working rows' gradient is dense (the step's unique "
+                "rows); expected a dense optimizer such as torch.optim.Adam, which stpipe "
+                "applies to those rows alone, got SparseAdam"
+            )
         self.optimizer = optimizer
         self.param = param
         self._make_table = make_table

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from stpipe import StpipeValueError
+from stpipe import StpipeTypeError, StpipeValueError
 from stpipe.embedding import HostEmbedding
 from stpipe.optim import RowState, find_group, fresh_row_state, split_state
 from stpipe.pipeline import Pipeline
@@ -285,3 +285,38 @@ def test_pipeline_trains_optimizer_with_eager_state():
     # row 2: grad 2 (twice in batch 1), then grad 1 (batch 2)
     torch.testing.assert_close(acc[2], torch.full((4,), 0.25 + 4.0 + 1.0))
     torch.testing.assert_close(acc[0], torch.full((4,), 0.25))  # never touched
+
+
+def test_sparse_adam_on_a_table_is_refused_at_construction():
+    """SparseAdam takes sparse gradients only; the working rows' are dense. The pipeline
+    says so when it is built, not at the first ``opt.step()`` inside the user's step."""
+    emb = HostEmbedding(num_rows=16, dim=4)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.01)
+    with pytest.raises(StpipeTypeError, match=r"SparseAdam.*dense.*torch\.optim\.Adam.*got SparseAdam"):
+        Pipeline(emb, optimizer=opt)
+    with pytest.raises(StpipeTypeError, match="SparseAdam"):
+        emb.bind_optimizer(opt)
+
+
+def test_sparse_adam_on_another_parameter_is_accepted():
+    """Only an optimizer that trains a table is refused: a SparseAdam over the model's own
+    ``nn.Embedding(sparse=True)`` beside it is the user's business and trains as usual."""
+    torch.manual_seed(0)
+    emb = HostEmbedding(num_rows=16, dim=4)
+    side = torch.nn.Embedding(8, 4, sparse=True)
+    side_before = side.weight.detach().clone()
+    table_before = emb.table.tensor().clone()
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    sopt = torch.optim.SparseAdam(side.parameters(), lr=0.01)
+    batches = [torch.tensor([1, 2, 3]), torch.tensor([3, 4])]
+    with Pipeline(emb, optimizer=[opt, sopt]) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                loss = emb(step.ids).sum() + side(step.ids % 8).sum()
+                loss.backward()
+                opt.step(); sopt.step()
+                opt.zero_grad(); sopt.zero_grad()
+    assert not torch.equal(side.weight.detach(), side_before)
+    after = emb.table.tensor()
+    assert not torch.equal(after[1:5], table_before[1:5])  # the batches' rows trained
+    assert torch.equal(after[5:], table_before[5:]) and torch.equal(after[0], table_before[0])
