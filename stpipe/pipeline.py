@@ -848,10 +848,16 @@ class Pipeline:
 
         Raises:
             StpipeRuntimeError: the pipeline is closed, or another run is active.
-            TypeError: ``iterable`` is not iterable.
+            StpipeTypeError: ``iterable`` is not iterable (a ``TypeError``).
         """
         self._check_open()
-        it = iter(iterable)
+        try:
+            it = iter(iterable)
+        except TypeError as exc:
+            raise StpipeTypeError(
+                f"Pipeline.run expects an iterable of batches (a DataLoader, its iterator, a "
+                f"list, a generator); got {type(iterable).__name__}"
+            ) from exc
         self._to_device = bool(to_device)
         return self._steps(it)
 

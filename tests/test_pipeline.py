@@ -551,6 +551,29 @@ def test_runs_again_and_empty_iterable():
     pipe.close()  # idempotent
 
 
+def test_run_refuses_a_non_iterable_and_stays_usable():
+    """``run(None)`` (or any non-iterable) is a TypeError that names what was given; the
+    pipeline starts no run and trains normally afterwards."""
+    from stpipe import StpipeTypeError
+
+    emb = make_emb()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with Pipeline(emb, optimizer=opt, depth=1) as pipe:
+        for bad in (None, 3):
+            with pytest.raises(TypeError, match=f"iterable of batches.*got {type(bad).__name__}") as info:
+                pipe.run(bad)
+            assert isinstance(info.value, StpipeTypeError)
+        before = emb.table.tensor().clone()
+        for step in pipe.run([torch.tensor([1, 2])]):
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    after = emb.table.tensor()
+    assert torch.allclose(after[1:3], before[1:3] - 0.1)
+    assert torch.equal(after[3:], before[3:])
+
+
 def test_unsplittable_state_is_a_clear_error():
     emb = make_emb()
     before = emb.table.tensor().clone()
