@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import stpipe.pipeline as pipeline_mod
-from stpipe import StpipeIndexError, StpipeRuntimeError, StpipeValueError
+from stpipe import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from stpipe.embedding import HostEmbedding
 from stpipe.pipeline import Pipeline, Step
 
@@ -554,8 +554,6 @@ def test_runs_again_and_empty_iterable():
 def test_run_refuses_a_non_iterable_and_stays_usable():
     """``run(None)`` (or any non-iterable) is a TypeError that names what was given; the
     pipeline starts no run and trains normally afterwards."""
-    from stpipe import StpipeTypeError
-
     emb = make_emb()
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     with Pipeline(emb, optimizer=opt, depth=1) as pipe:
