@@ -42,6 +42,10 @@ Batch: 512 centres x (4 positives + 64 negatives), dim 128, Adam (lr 1e-3), two 
   the pipeline gives them (int32 since stop 38): the lower bound of the design;
 * a per-step profile of stpipe depth 1 (plan / gather wait / compute / write-back; the
   profile synchronises at each phase, so it is a breakdown, not a speed);
+* ``parts`` (on request): where depth 1's time goes without synchronising: each pipeline
+  part's CPU and wall time per step on either thread, the user's step by phase beside the
+  step alone's phases, and when the prefetch thread's issue runs within the step
+  (:func:`run_parts`);
 * on request (``--methods``): ``stpipe_depth1_ids_only`` (depth 1 with
   ``pipe.run(batches, to_device=False)``: the batch holds only ids, so the prefetch thread
   moves the planned ids and not the batch's own tensors; slower than the default in the
@@ -77,6 +81,18 @@ and the stpipe rows ``stpipe_depth0``, ``stpipe_depth1``, ``stpipe_depth1_nodela
 method's tables are in memory at once: at 10M rows each pinned-table method holds about
 31 GB of host memory and the ceiling 31 GB of GPU memory.
 
+``--variant NAME=ATTR:VALUE[,ATTR:VALUE...]`` (with ``--interleave``, repeatable) adds an A/B
+row ``stpipe_depth1[NAME]``: depth 1 over the same tables as ``stpipe_depth1``, its
+``Pipeline`` with those attributes set (values are Python literals), in the same rounds. With
+``stpipe_depth1`` among the methods it reports ``minus_stpipe_depth1``: the median and mean
+(with its standard error) of the per-block differences in ms/step, and in how many blocks the
+variant was faster. For example, whether the ``"auto"`` prefetch delay should wait 0.4 of the
+step period instead of 0.3, on the target's own rows::
+
+    python3 benchmarks/train_skipgram.py --rows 10000000 --steps 1000 --interleave 50 \
+        --methods gpu_sparse_adam,compute_only,stpipe_depth1,speedtorch_adam \
+        --variant f4=_auto_fraction:0.4
+
 Every row also reports CPU time per step of the training thread (``time.thread_time``)
 and, for stpipe at depth >= 1, of its prefetch thread (``Pipeline.prefetch_cpu_s``), and
 ``drain_ms``: from the end of the last step's Python to the end of its GPU work (the final
@@ -98,13 +114,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import gc
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
@@ -531,6 +551,160 @@ class _Stpipe:
         return res
 
 
+class _Marks:
+    """Wall time between named marks of a step (``perf_counter``), per phase, while on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.t = None
+        self.step_start = 0.0
+        self.acc: Dict[str, List[float]] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.on and self.t is not None:
+            self.acc.setdefault(name, []).append(1e6 * (now - self.t))
+        if name == "loop":
+            self.step_start = now
+        self.t = now
+
+    def medians(self) -> Dict[str, float]:
+        return {k: round(statistics.median(v), 1) for k, v in self.acc.items()}
+
+
+#: what ``parts`` accounts: the pipeline's methods and the helpers they call, by thread
+_PARTS_METHODS = ("_prepare", "_issue", "_upload", "_upload_lean", "_gather", "_stage", "_wait_delay",
+                  "_enter", "_exit", "_write_back", "_carry", "_launch_paired", "_claim_batch")
+_PARTS_RUN = ("take_slot", "put", "free")
+_PARTS_FUNCTIONS = ("overlap", "_plan", "_finish", "_set_working", "_concat_ids", "_inverse_host",
+                    "_map_tensors", "_set_aliases", "_host_tensors")
+
+
+def run_parts(args, dev, batches, st: "_Stpipe") -> Dict[str, Any]:
+    """``parts``: where depth 1's time goes, without synchronising (the step is CPU-bound,
+    so a profile that synchronises or one that slows every Python call says little).
+
+    Each pipeline method and helper in ``_PARTS_*`` is wrapped for the timed steps: its
+    thread's CPU time (``time.thread_time_ns``), wall time and calls, per step, by thread
+    (nested parts are inside their callers' figures). The user's step is timed by phase
+    (wall, median us: the loop between steps, entry, forward with the lookups, backward,
+    ``opt.step()``, ``zero_grad()``, exit), and so is the step alone (``compute_only``'s
+    step on fixed working rows), so phase by phase the difference is what the pipeline
+    adds. ``issue_start_us`` / ``issue_end_us``: when the prefetch thread's issue began and
+    ended, after the start of the training thread's step during which it began."""
+    from collections import defaultdict
+
+    import stpipe.pipeline as P
+
+    acc: Dict[Tuple[str, str], List[int]] = defaultdict(lambda: [0, 0, 0])
+    marks = _Marks()
+    issue_at: Dict[str, List[float]] = {"issue_start_us": [], "issue_end_us": []}
+
+    def wrapped(fn, label):
+        def part(*a, **k):
+            if not marks.on:
+                return fn(*a, **k)
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                r = acc[("training" if threading.current_thread() is threading.main_thread() else "prefetch",
+                         label)]
+                r[0] += time.thread_time_ns() - c0
+                r[1] += time.perf_counter_ns() - t0
+                r[2] += 1
+        return part
+
+    def issue(fn):
+        def timed_issue(self, flight, run):
+            ref = marks.step_start
+            a = time.perf_counter() - ref
+            try:
+                return fn(self, flight, run)
+            finally:
+                if marks.on:
+                    issue_at["issue_start_us"].append(1e6 * a)
+                    issue_at["issue_end_us"].append(1e6 * (time.perf_counter() - ref))
+        return timed_issue
+
+    # the step alone, by phase
+    step_alone, work = _compute_only_step(args, dev, batches)
+    kin, kout = max(w[0] for w in work), max(w[2] for w in work)
+    w_in = torch.nn.Parameter(torch.empty(kin, DIM, device=dev).uniform_(-0.5 / DIM, 0.5 / DIM))
+    w_out = torch.nn.Parameter(torch.zeros(kout, DIM, device=dev))
+    opt = torch.optim.Adam([w_in, w_out], lr=LR)
+    for i, (_, i_in, _, i_pos, i_neg) in enumerate(work):
+        if i == args.warmup:
+            sync(dev)
+            marks.on = True
+        marks("loop")
+        loss = sgns_loss(F.embedding(i_in, w_in), F.embedding(i_pos, w_out), F.embedding(i_neg, w_out))
+        marks("forward")
+        loss.backward()
+        marks("backward")
+        opt.step()
+        marks("opt_step")
+        opt.zero_grad()
+        marks("zero_grad")
+    sync(dev)
+    alone = marks.medians()
+    marks.on, marks.t, marks.acc = False, None, {}
+
+    def train(step):
+        marks("loop")
+        with step:
+            marks("entry")
+            pos, neg = step.ids["out"]
+            loss = sgns_loss(st.e_in(step.ids["in"]), st.e_out(pos), st.e_out(neg))
+            marks("forward")
+            loss.backward()
+            marks("backward")
+            st.opt.step()
+            marks("opt_step")
+            st.opt.zero_grad()
+            marks("zero_grad")
+        marks("exit")
+
+    with contextlib.ExitStack() as patches:
+        for name in _PARTS_METHODS:
+            if hasattr(P.Pipeline, name):
+                fn = getattr(P.Pipeline, name)
+                patches.enter_context(mock.patch.object(P.Pipeline, name, wrapped(fn, name)))
+        patches.enter_context(mock.patch.object(P.Pipeline, "_issue", issue(P.Pipeline._issue)))
+        for name in _PARTS_RUN:
+            patches.enter_context(mock.patch.object(P._Run, name, wrapped(getattr(P._Run, name), name)))
+        for name in _PARTS_FUNCTIONS:
+            patches.enter_context(mock.patch.object(P, name, wrapped(getattr(P, name), name)))
+        pipe = st.pipeline(1)
+        with pipe:
+            t0 = c0 = p0 = None
+            for step in pipe.run(batches):
+                if step.index == args.warmup:
+                    sync(dev)
+                    marks.on = True
+                    t0, c0, p0 = time.perf_counter(), time.thread_time(), pipe.prefetch_cpu_s
+                train(step)
+            sync(dev)
+            marks.on = False
+    n = len(batches) - args.warmup
+    depth1 = marks.medians()
+    res: Dict[str, Any] = {
+        "steps": n, "ms_per_step": 1e3 * (time.perf_counter() - t0) / n,
+        "train_cpu_us_per_step": 1e6 * (time.thread_time() - c0) / n,
+        "prefetch_cpu_us_per_step": 1e6 * (pipe.prefetch_cpu_s - p0) / n,
+        "phases_us": {"depth1": depth1, "step_alone": alone,
+                      "depth1_minus_step_alone": {k: round(v - alone[k], 1) for k, v in depth1.items() if k in alone}},
+        "parts_us_per_step": {f"{th}:{label}": {"cpu": round(v[0] / 1e3 / n, 1), "wall": round(v[1] / 1e3 / n, 1),
+                                                "calls": round(v[2] / n, 2)}
+                              for (th, label), v in sorted(acc.items())},
+    }
+    for k, v in issue_at.items():
+        if v:
+            res["phases_us"][k] = round(statistics.median(v), 1)
+    res.update(gpu_mem(dev), host_rss_gb=rss_gb())
+    return res
+
+
 #: the SpeedTorch rows the stpipe and compat rows are also compared with, where they ran
 SPEEDTORCH_BASES = ("speedtorch_adam", "speedtorch_sgd", "speedtorch_adam_fused")
 #: every row that runs SpeedTorch's pattern (:func:`run_speedtorch`): SpeedTorch itself and
@@ -576,6 +750,46 @@ def _stpipe_block(st: "_Stpipe", pipe: Any, batches, dev) -> Callable[[List[int]
     return run_block
 
 
+#: ``--variant NAME=ATTR:VALUE[,ATTR:VALUE...]``
+_VARIANT = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
+
+
+def parse_variant(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """``NAME=ATTR:VALUE[,ATTR:VALUE...]`` -> ``(NAME, {ATTR: VALUE})``, each VALUE a
+    Python literal (``0.4``, ``False``, ``'auto'``). Raises ValueError saying what was
+    expected."""
+    m = _VARIANT.match(spec)
+    if m is None:
+        raise ValueError(f"expected NAME=ATTR:VALUE[,ATTR:VALUE...], got {spec!r}")
+    name, body = m.groups()
+    attrs: Dict[str, Any] = {}
+    for item in body.split(","):
+        attr, sep, text = item.partition(":")
+        attr = attr.strip()
+        if not sep or not attr.isidentifier():
+            raise ValueError(f"variant {name!r}: expected ATTR:VALUE, got {item!r}")
+        try:
+            attrs[attr] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"variant {name!r}: the value of {attr} must be a Python literal "
+                             f"(0.4, False, 'auto'), got {text.strip()!r}") from None
+    return name, attrs
+
+
+def variant_row(name: str) -> str:
+    """The result row of ``--variant NAME``."""
+    return f"stpipe_depth1[{name}]"
+
+
+def _paired_difference(base: List[float], other: List[float]) -> Dict[str, Any]:
+    """``other - base`` per block (ms/step): median, mean and its standard error, and in
+    how many blocks ``other`` was faster."""
+    d = [1e3 * (o - b) for b, o in zip(base, other)]
+    return {"median_ms": statistics.median(d), "mean_ms": statistics.mean(d),
+            "se_ms": statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None,
+            "blocks_faster": sum(x < 0 for x in d), "blocks": len(d)}
+
+
 def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, Any]:
     """``--interleave N``: every method's tables in this one process, the methods run in
     turn for blocks of ``N`` timed steps (after ``INTERLEAVE_SKIP`` untimed ones), the
@@ -585,7 +799,13 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
     other see the same machine, so a method's ratio to the ceiling is the median of its
     per-round ratios (likewise to SpeedTorch's rows for the stpipe and compat rows). Each
     block is timed between two device synchronisations. A SpeedTorch row that cannot run
-    here is reported as skipped and left out of the rounds."""
+    here is reported as skipped and left out of the rounds.
+
+    ``args.variant`` (``--variant``, parsed by :func:`parse_variant`): each adds a depth-1
+    row over the shared tables whose ``Pipeline`` has the given attributes set (an A/B
+    of the library's private switches, e.g. ``_auto_fraction:0.4``), run in the same
+    rounds; with ``stpipe_depth1`` in the rounds too, the row reports its paired
+    difference to it (``minus_stpipe_depth1``)."""
     bad = [m for m in methods if m not in INTERLEAVE_METHODS]
     if bad:
         raise SystemExit(f"--interleave runs {', '.join(INTERLEAVE_METHODS)}; got {', '.join(bad)}")
@@ -637,7 +857,19 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             pipe = st.pipeline(depth, prefetch_delay=delay)
             closers.append(pipe.close)
             runs[m] = _stpipe_block(st, pipe, batches, dev)
-    methods = [m for m in methods if m in runs]
+    variants = [parse_variant(v) for v in getattr(args, "variant", None) or []]
+    for name, attrs in variants:
+        if st is None:
+            st = _Stpipe(args, dev)
+            log(f"stpipe tables ready in {st.setup_s:.1f} s")
+        pipe = st.pipeline(1)
+        closers.append(pipe.close)
+        for attr, value in attrs.items():
+            if not hasattr(pipe, attr):
+                raise SystemExit(f"--variant {name}: Pipeline has no attribute {attr!r}")
+            setattr(pipe, attr, value)
+        runs[variant_row(name)] = _stpipe_block(st, pipe, batches, dev)
+    methods = [m for m in methods if m in runs] + [variant_row(n) for n, _ in variants]
     n = len(batches)
     per = block + INTERLEAVE_SKIP
     rounds = max(1, -(-args.steps // block))
@@ -668,6 +900,11 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             row[f"blocks_faster_than_{key[len('ratio_to_'):]}"] = sum(x >= 1.0 for x in ratios)
         if m in SPEEDTORCH_ROWS:
             row["note"] = _speedtorch_note(*_speedtorch_kind(m))
+        variant = dict(variants).get(m[len("stpipe_depth1["):-1]) if m.startswith("stpipe_depth1[") else None
+        if variant is not None:
+            row["variant"] = {k: repr(v) for k, v in variant.items()}
+            if "stpipe_depth1" in times:
+                row["minus_stpipe_depth1"] = _paired_difference(times["stpipe_depth1"], times[m])
         row.update(gpu_mem(dev), host_rss_gb=rss_gb())
         out[m] = row
     out.update(skipped)
@@ -832,6 +1069,11 @@ def main(argv=None) -> int:
                     help="run the methods (" + ", ".join(INTERLEAVE_METHODS) + ") in one process, "
                          "in turn, in blocks of N timed steps, until each timed --steps; ratios are "
                          "medians of per-block ratios (default 0: off)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ATTR:VALUE[,ATTR:VALUE]",
+                    help="with --interleave: one more depth-1 row, stpipe_depth1[NAME], over the same "
+                         "tables, its Pipeline with these attributes set (values are Python literals; "
+                         "e.g. f4=_auto_fraction:0.4), reported with its paired difference to "
+                         "stpipe_depth1 when that runs too; repeatable")
     ap.add_argument("--prefetch-delay-ms", type=float, default=0.5,
                     help="method stpipe_depth1_delay: Pipeline(prefetch_delay=) in ms (default 0.5)")
     args = ap.parse_args(argv)
@@ -843,6 +1085,13 @@ def main(argv=None) -> int:
         ap.error(f"--interleave: expected N >= 0, got {args.interleave}")
     if args.interleave and args.isolate:
         ap.error("--interleave runs every method in one process; it cannot be combined with --isolate")
+    if args.variant and not args.interleave:
+        ap.error("--variant needs --interleave (its row is timed in the same rounds as the others)")
+    for v in args.variant:
+        try:
+            parse_variant(v)
+        except ValueError as exc:
+            ap.error(f"--variant: {exc}")
     if args.quick:
         args.rows = min(args.rows, 100_000)
         args.steps = min(args.steps, 20)
@@ -898,6 +1147,12 @@ def main(argv=None) -> int:
         for name, r in results.items():
             if "blocks_ms_per_step" in r:
                 log(f"  {name:<24}" + " ".join(f"{x:.3f}" for x in r["blocks_ms_per_step"]))
+        for name, r in results.items():
+            d = r.get("minus_stpipe_depth1")
+            if d:
+                se = "" if d["se_ms"] is None else f" +- {d['se_ms']:.3f}"
+                log(f"  {name} minus stpipe_depth1: median {d['median_ms']:+.3f} ms/step, mean "
+                    f"{d['mean_ms']:+.3f}{se}; faster in {d['blocks_faster']} of {d['blocks']} blocks")
     for m in ([] if args.isolate or args.interleave else methods):
         reset_gpu(dev)
         log(f"-- {m}")
@@ -947,6 +1202,10 @@ def main(argv=None) -> int:
                 if st is None:
                     st = _Stpipe(args, dev)
                 results[m] = st.run(args, dev, batches, 1, to_device=False)
+            elif m == "parts":
+                if st is None:
+                    st = _Stpipe(args, dev)
+                results["stpipe_depth1_parts"] = run_parts(args, dev, batches, st)
             elif m == "trace0":
                 # depth 0 under cProfile alone: every stpipe call in the training thread
                 if st is None:
@@ -971,7 +1230,8 @@ def main(argv=None) -> int:
                 results[m] = {"skipped": "unknown method"}
         except Exception as exc:  # keep going: report what failed
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
+        rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace",
+                "parts": "stpipe_depth1_parts"}.get(m, m)
         log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
         if m in ("gpu_sparse_adam", "naive_host") + SPEEDTORCH_ROWS:
             gc.collect()
@@ -983,6 +1243,8 @@ def main(argv=None) -> int:
     log(f"{'method':<24}{'steps/s':>10}{'ms/step':>10}{'x ceiling':>11}{'GPU peak GB':>13}{'GPU used GB':>13}"
         f"{'host RSS GB':>13}{'train CPU ms':>14}{'prefetch CPU ms':>17}")
     for name, r in results.items():
+        if "parts_us_per_step" in r:
+            continue  # its own account, below
         if "steps_per_s" not in r:
             log(f"{name:<24}  {r.get('skipped') or r.get('error')}")
             continue
@@ -999,6 +1261,16 @@ def main(argv=None) -> int:
                 r.setdefault(f"ratio_to_{base}", r["steps_per_s"] / b)
         log(f"x {base}: " + ", ".join(f"{n} {r[f'ratio_to_{base}']:.2f}" for n, r in results.items()
                                        if f"ratio_to_{base}" in r))
+    parts = results.get("stpipe_depth1_parts")
+    if parts and "phases_us" in parts:
+        ph = parts["phases_us"]
+        log("stpipe depth 1 by phase (median us, wall; the step alone; the difference): "
+            + ", ".join(f"{k} {v:.0f}/{ph['step_alone'].get(k, float('nan')):.0f}/"
+                        f"{ph['depth1_minus_step_alone'].get(k, float('nan')):+.0f}" for k, v in ph["depth1"].items()))
+        log(f"issue from {ph.get('issue_start_us', float('nan')):.0f} to {ph.get('issue_end_us', float('nan')):.0f} "
+            "us after the start of the step during which it began; parts (us per step: CPU, wall, calls):")
+        for k, v in parts["parts_us_per_step"].items():
+            log(f"  {k:<32}{v['cpu']:>9.1f}{v['wall']:>9.1f}{v['calls']:>7.2f}")
     prof = results.get("stpipe_depth1_profile", {}).get("profile_ms")
     if prof:
         log("stpipe depth 1 profile (median ms/step, synchronised phases): "

@@ -294,3 +294,106 @@ def test_interleave_reports_a_speedtorch_that_cannot_run(ts, tmp_path, monkeypat
     assert rows["speedtorch_sgd"] == {"skipped": "no SpeedTorch"}
     assert len(rows["stpipe_depth0"]["blocks_ms_per_step"]) == 2
     assert "ratio_to_speedtorch_sgd" not in rows["stpipe_depth0"]
+
+
+def test_parse_variant(ts):
+    assert ts.parse_variant("f4=_auto_fraction:0.4") == ("f4", {"_auto_fraction": 0.4})
+    assert ts.parse_variant("x=_inv32:False, _pair:True,prefetch_delay:'auto'") == (
+        "x", {"_inv32": False, "_pair": True, "prefetch_delay": "auto"})
+    assert ts.variant_row("f4") == "stpipe_depth1[f4]"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("f4", "expected NAME=ATTR:VALUE"),
+    ("f4=_auto_fraction", "expected ATTR:VALUE, got '_auto_fraction'"),
+    ("f4=1x:0.4", "expected ATTR:VALUE, got '1x:0.4'"),
+    ("f4=_auto_fraction:zero", "must be a Python literal"),
+])
+def test_parse_variant_says_what_it_expected(ts, spec, message):
+    with pytest.raises(ValueError, match=message):
+        ts.parse_variant(spec)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--variant", "f4=_auto_fraction:0.4"],  # no --interleave
+    ["--interleave", "5", "--variant", "f4=_auto_fraction"],
+])
+def test_variant_bad_arguments(ts, argv):
+    with pytest.raises(SystemExit) as exc:
+        ts.main(["--quick", *argv])
+    assert exc.value.code == 2
+
+
+def test_variant_of_an_attribute_the_pipeline_lacks(ts, tmp_path):
+    with pytest.raises(SystemExit, match="--variant typo: Pipeline has no attribute '_auto_fractoin'"):
+        ts.main(["--quick", "--interleave", "5", "--methods", "stpipe_depth1",
+                 "--variant", "typo=_auto_fractoin:0.4", "--out", str(tmp_path)])
+
+
+def test_interleave_variant_rows_are_paired_with_depth1(ts, tmp_path, monkeypatch):
+    """``--variant``: a depth-1 row over the same tables, its pipeline's attributes set,
+    timed in the same rounds, with its per-block difference to ``stpipe_depth1``."""
+    import json
+    import statistics
+
+    made = []
+    real = ts._Stpipe.pipeline
+
+    def spy(self, depth, **kw):
+        pipe = real(self, depth, **kw)
+        made.append((self, pipe))
+        return pipe
+    monkeypatch.setattr(ts._Stpipe, "pipeline", spy)
+    assert ts.main(["--quick", "--interleave", "5", "--methods", "gpu_sparse_adam,stpipe_depth1",
+                    "--variant", "f4=_auto_fraction:0.4", "--variant", "i64=_inv32:False,_pair:False",
+                    "--out", str(tmp_path)]) == 0
+    assert len(made) == 3 and len({id(st) for st, _ in made}) == 1  # one pair of tables
+    plain, f4, i64 = (p for _, p in made)
+    assert plain._auto_fraction == 0.3 and plain._inv32 and plain._pair
+    assert f4._auto_fraction == 0.4 and f4._inv32
+    assert i64._inv32 is False and i64._pair is False and i64._auto_fraction == 0.3
+    rows = json.load(open(tmp_path / "train_skipgram.json"))["results"]
+    assert list(rows) == ["gpu_sparse_adam", "stpipe_depth1", "stpipe_depth1[f4]", "stpipe_depth1[i64]"]
+    base = rows["stpipe_depth1"]["blocks_ms_per_step"]
+    for name, attrs in (("f4", {"_auto_fraction": "0.4"}), ("i64", {"_inv32": "False", "_pair": "False"})):
+        r = rows[f"stpipe_depth1[{name}]"]
+        assert r["variant"] == attrs
+        assert len(r["blocks_ms_per_step"]) == 4 and "ratio_to_ceiling" in r
+        d = [b - a for a, b in zip(base, r["blocks_ms_per_step"])]
+        got = r["minus_stpipe_depth1"]
+        assert got["median_ms"] == pytest.approx(statistics.median(d), abs=2e-3)
+        assert got["mean_ms"] == pytest.approx(statistics.mean(d), abs=2e-3)
+        assert got["blocks_faster"] == sum(x < 0 for x in d) and got["blocks"] == 4
+    assert "minus_stpipe_depth1" not in rows["stpipe_depth1"]
+
+
+def test_parts_accounts_both_threads_and_the_phases(ts, tmp_path):
+    """``parts``: each pipeline part's CPU and wall time per step by thread, the user's
+    step by phase beside the step alone's, and the wrappers gone afterwards."""
+    import json
+
+    import stpipe.pipeline as P
+
+    before = {name: getattr(P.Pipeline, name) for name in ("_enter", "_exit", "_issue", "_write_back")}
+    plan_before = P._plan
+    assert ts.main(["--quick", "--methods", "parts", "--out", str(tmp_path)]) == 0
+    assert {name: getattr(P.Pipeline, name) for name in before} == before  # unpatched
+    assert P._plan is plan_before
+    r = json.load(open(tmp_path / "train_skipgram.json"))["results"]["stpipe_depth1_parts"]
+    assert r["steps"] == 20
+    parts = r["parts_us_per_step"]
+    for key in ("training:_enter", "training:_exit", "training:_write_back"):
+        assert parts[key]["calls"] == 1.0, key  # once per timed step
+    assert parts["prefetch:_issue"]["calls"] > 0.5 and parts["prefetch:_prepare"]["calls"] > 0.5
+    assert not any(k.startswith("training:_issue") for k in parts)  # depth 1: the prefetch thread issues
+    # nested parts lie inside their callers
+    assert parts["training:_write_back"]["wall"] <= parts["training:_exit"]["wall"]
+    assert parts["prefetch:_gather"]["wall"] <= parts["prefetch:_issue"]["wall"]
+    ph = r["phases_us"]
+    assert set(ph["depth1"]) == {"loop", "entry", "forward", "backward", "opt_step", "zero_grad", "exit"}
+    assert set(ph["step_alone"]) == {"loop", "forward", "backward", "opt_step", "zero_grad"}
+    assert ph["depth1_minus_step_alone"]["backward"] == pytest.approx(
+        ph["depth1"]["backward"] - ph["step_alone"]["backward"], abs=0.2)
+    assert 0 <= ph["issue_start_us"] <= ph["issue_end_us"]
+    log = open(tmp_path / "train_skipgram.log").read()
+    assert "stpipe depth 1 by phase" in log and "training:_exit" in log
