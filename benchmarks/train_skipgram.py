@@ -628,7 +628,7 @@ def run_parts(args, dev, batches, st: "_Stpipe") -> Dict[str, Any]:
         return timed_issue
 
     # the step alone, by phase
-    step_alone, work = _compute_only_step(args, dev, batches)
+    _, work = _compute_only_step(args, dev, batches)  # its per-batch inverses; its step is not marked
     kin, kout = max(w[0] for w in work), max(w[2] for w in work)
     w_in = torch.nn.Parameter(torch.empty(kin, DIM, device=dev).uniform_(-0.5 / DIM, 0.5 / DIM))
     w_out = torch.nn.Parameter(torch.zeros(kout, DIM, device=dev))
@@ -869,7 +869,8 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
                 raise SystemExit(f"--variant {name}: Pipeline has no attribute {attr!r}")
             setattr(pipe, attr, value)
         runs[variant_row(name)] = _stpipe_block(st, pipe, batches, dev)
-    methods = [m for m in methods if m in runs] + [variant_row(n) for n, _ in variants]
+    variant_of = {variant_row(n): attrs for n, attrs in variants}
+    methods = [m for m in methods if m in runs] + list(variant_of)
     n = len(batches)
     per = block + INTERLEAVE_SKIP
     rounds = max(1, -(-args.steps // block))
@@ -900,7 +901,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             row[f"blocks_faster_than_{key[len('ratio_to_'):]}"] = sum(x >= 1.0 for x in ratios)
         if m in SPEEDTORCH_ROWS:
             row["note"] = _speedtorch_note(*_speedtorch_kind(m))
-        variant = dict(variants).get(m[len("stpipe_depth1["):-1]) if m.startswith("stpipe_depth1[") else None
+        variant = variant_of.get(m)
         if variant is not None:
             row["variant"] = {k: repr(v) for k, v in variant.items()}
             if "stpipe_depth1" in times:
@@ -1087,11 +1088,14 @@ def main(argv=None) -> int:
         ap.error("--interleave runs every method in one process; it cannot be combined with --isolate")
     if args.variant and not args.interleave:
         ap.error("--variant needs --interleave (its row is timed in the same rounds as the others)")
+    names = []
     for v in args.variant:
         try:
-            parse_variant(v)
+            names.append(parse_variant(v)[0])
         except ValueError as exc:
             ap.error(f"--variant: {exc}")
+    if len(set(names)) != len(names):
+        ap.error(f"--variant: each NAME once, got {', '.join(names)}")
     if args.quick:
         args.rows = min(args.rows, 100_000)
         args.steps = min(args.steps, 20)

@@ -317,6 +317,7 @@ def test_parse_variant_says_what_it_expected(ts, spec, message):
 @pytest.mark.parametrize("argv", [
     ["--variant", "f4=_auto_fraction:0.4"],  # no --interleave
     ["--interleave", "5", "--variant", "f4=_auto_fraction"],
+    ["--interleave", "5", "--variant", "f4=_auto_fraction:0.4", "--variant", "f4=_inv32:False"],  # one name twice
 ])
 def test_variant_bad_arguments(ts, argv):
     with pytest.raises(SystemExit) as exc:
