@@ -411,9 +411,9 @@ def _speedtorch_step(args, dev, adam: bool, compat: bool, fused: bool = False):
     return step
 
 
-def _compute_only_step(args, dev, batches, fused=False):
-    """The compute-only step function and its per-batch work items (see
-    :func:`run_compute_only`)."""
+def _compute_only_work(args, dev, batches) -> List[Tuple[int, torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+    """The step alone's per-batch work items: ``(k_in, centre inverse, k_out, positives'
+    inverse, negatives' inverse)``, the inverses on ``dev``."""
     from stpipe.pipeline import Pipeline
     from stpipe.planner import plan as _plan
 
@@ -427,11 +427,25 @@ def _compute_only_step(args, dev, batches, fused=False):
         inv = torch.as_tensor(pout.inverse, device=dev, dtype=idx_dtype)
         work.append((pin.num_unique, torch.as_tensor(pin.inverse, device=dev, dtype=idx_dtype), pout.num_unique,
                      inv[: BATCH * POS].view(BATCH, POS), inv[BATCH * POS:].view(BATCH, NEG)))
+    return work
+
+
+def _compute_only_rows(work, dev, fused=False):
+    """The step alone's fixed working rows (as many per table as the largest batch's
+    unique ids) and their Adam: ``(w_in, w_out, opt)``."""
     kmax_in = max(w[0] for w in work)
     kmax_out = max(w[2] for w in work)
     w_in = torch.nn.Parameter(torch.empty(kmax_in, DIM, device=dev).uniform_(-0.5 / DIM, 0.5 / DIM))
     w_out = torch.nn.Parameter(torch.zeros(kmax_out, DIM, device=dev))
     opt = torch.optim.Adam([w_in, w_out], lr=LR, **({"fused": True} if fused else {}))
+    return w_in, w_out, opt
+
+
+def _compute_only_step(args, dev, batches, fused=False):
+    """The compute-only step function and its per-batch work items (see
+    :func:`run_compute_only`)."""
+    work = _compute_only_work(args, dev, batches)
+    w_in, w_out, opt = _compute_only_rows(work, dev, fused)
 
     def step(w):
         k_in, i_in, k_out, i_pos, i_neg = w
@@ -628,11 +642,8 @@ def run_parts(args, dev, batches, st: "_Stpipe") -> Dict[str, Any]:
         return timed_issue
 
     # the step alone, by phase
-    _, work = _compute_only_step(args, dev, batches)  # its per-batch inverses; its step is not marked
-    kin, kout = max(w[0] for w in work), max(w[2] for w in work)
-    w_in = torch.nn.Parameter(torch.empty(kin, DIM, device=dev).uniform_(-0.5 / DIM, 0.5 / DIM))
-    w_out = torch.nn.Parameter(torch.zeros(kout, DIM, device=dev))
-    opt = torch.optim.Adam([w_in, w_out], lr=LR)
+    work = _compute_only_work(args, dev, batches)
+    w_in, w_out, opt = _compute_only_rows(work, dev)
     for i, (_, i_in, _, i_pos, i_neg) in enumerate(work):
         if i == args.warmup:
             sync(dev)
