@@ -716,6 +716,10 @@ def run_parts(args, dev, batches, st: "_Stpipe") -> Dict[str, Any]:
     return res
 
 
+#: methods whose result row is named otherwise than the method
+_RESULT_KEYS = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace",
+                "parts": "stpipe_depth1_parts"}
+
 #: the SpeedTorch rows the stpipe and compat rows are also compared with, where they ran
 SPEEDTORCH_BASES = ("speedtorch_adam", "speedtorch_sgd", "speedtorch_adam_fused")
 #: every row that runs SpeedTorch's pattern (:func:`run_speedtorch`): SpeedTorch itself and
@@ -812,7 +816,8 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
     block is timed between two device synchronisations. A SpeedTorch row that cannot run
     here is reported as skipped and left out of the rounds.
 
-    ``args.variant`` (``--variant``, parsed by :func:`parse_variant`): each adds a depth-1
+    ``args.variant`` (``--variant`` as ``main`` parsed it with :func:`parse_variant`:
+    ``(name, attributes)`` pairs): each adds a depth-1
     row over the shared tables whose ``Pipeline`` has the given attributes set (an A/B
     of the library's private switches, e.g. ``_auto_fraction:0.4``), run in the same
     rounds; with ``stpipe_depth1`` in the rounds too, the row reports its paired
@@ -868,7 +873,7 @@ def run_interleaved(args, dev, batches, methods: List[str], log) -> Dict[str, An
             pipe = st.pipeline(depth, prefetch_delay=delay)
             closers.append(pipe.close)
             runs[m] = _stpipe_block(st, pipe, batches, dev)
-    variants = [parse_variant(v) for v in getattr(args, "variant", None) or []]
+    variants: List[Tuple[str, Dict[str, Any]]] = getattr(args, "variant", None) or []
     for name, attrs in variants:
         if st is None:
             st = _Stpipe(args, dev)
@@ -1099,12 +1104,11 @@ def main(argv=None) -> int:
         ap.error("--interleave runs every method in one process; it cannot be combined with --isolate")
     if args.variant and not args.interleave:
         ap.error("--variant needs --interleave (its row is timed in the same rounds as the others)")
-    names = []
-    for v in args.variant:
-        try:
-            names.append(parse_variant(v)[0])
-        except ValueError as exc:
-            ap.error(f"--variant: {exc}")
+    try:
+        args.variant = [parse_variant(v) for v in args.variant]  # (name, attributes), parsed once
+    except ValueError as exc:
+        ap.error(f"--variant: {exc}")
+    names = [name for name, _ in args.variant]
     if len(set(names)) != len(names):
         ap.error(f"--variant: each NAME once, got {', '.join(names)}")
     if args.quick:
@@ -1171,6 +1175,7 @@ def main(argv=None) -> int:
     for m in ([] if args.isolate or args.interleave else methods):
         reset_gpu(dev)
         log(f"-- {m}")
+        rkey = _RESULT_KEYS.get(m, m)
         try:
             if m == "gpu_sparse_adam":
                 results[m] = run_ceiling(args, dev, batches)
@@ -1220,7 +1225,7 @@ def main(argv=None) -> int:
             elif m == "parts":
                 if st is None:
                     st = _Stpipe(args, dev)
-                results["stpipe_depth1_parts"] = run_parts(args, dev, batches, st)
+                results[rkey] = run_parts(args, dev, batches, st)
             elif m == "trace0":
                 # depth 0 under cProfile alone: every stpipe call in the training thread
                 if st is None:
@@ -1238,15 +1243,12 @@ def main(argv=None) -> int:
                     st = _Stpipe(args, dev)
                     log(f"stpipe tables ready in {st.setup_s:.1f} s")
                 depth = {"stpipe_depth0": 0, "stpipe_depth2": 2}.get(m, 1)
-                key = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace"}.get(m, m)
-                results[key] = st.run(args, dev, batches, depth, profile=(m == "profile"),
+                results[rkey] = st.run(args, dev, batches, depth, profile=(m == "profile"),
                                       trace=trace_dir if m == "trace" else None)
             else:
                 results[m] = {"skipped": "unknown method"}
         except Exception as exc:  # keep going: report what failed
             results[m] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        rkey = {"profile": "stpipe_depth1_profile", "trace": "stpipe_depth1_trace",
-                "parts": "stpipe_depth1_parts"}.get(m, m)
         log(f"   {json.dumps({k: v for k, v in results.get(rkey, {}).items() if k != 'traceback'})}")
         if m in ("gpu_sparse_adam", "naive_host") + SPEEDTORCH_ROWS:
             gc.collect()
@@ -1276,7 +1278,7 @@ def main(argv=None) -> int:
                 r.setdefault(f"ratio_to_{base}", r["steps_per_s"] / b)
         log(f"x {base}: " + ", ".join(f"{n} {r[f'ratio_to_{base}']:.2f}" for n, r in results.items()
                                        if f"ratio_to_{base}" in r))
-    parts = results.get("stpipe_depth1_parts")
+    parts = results.get(_RESULT_KEYS["parts"])
     if parts and "phases_us" in parts:
         ph = parts["phases_us"]
         log("stpipe depth 1 by phase (median us, wall; the step alone; the difference): "
@@ -1286,7 +1288,7 @@ def main(argv=None) -> int:
             "us after the start of the step during which it began; parts (us per step: CPU, wall, calls):")
         for k, v in parts["parts_us_per_step"].items():
             log(f"  {k:<32}{v['cpu']:>9.1f}{v['wall']:>9.1f}{v['calls']:>7.2f}")
-    prof = results.get("stpipe_depth1_profile", {}).get("profile_ms")
+    prof = results.get(_RESULT_KEYS["profile"], {}).get("profile_ms")
     if prof:
         log("stpipe depth 1 profile (median ms/step, synchronised phases): "
             + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in prof.items()))
