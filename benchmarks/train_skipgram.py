@@ -605,7 +605,9 @@ def run_parts(args, dev, batches, st: "_Stpipe") -> Dict[str, Any]:
     ``opt.step()``, ``zero_grad()``, exit), and so is the step alone (``compute_only``'s
     step on fixed working rows), so phase by phase the difference is what the pipeline
     adds. ``issue_start_us`` / ``issue_end_us``: when the prefetch thread's issue began and
-    ended, after the start of the training thread's step during which it began."""
+    ended, after the start of the training thread's step during which it began.
+    ``ms_per_step`` is the time per step under these wrappers, so it is not a speed: the
+    speed table leaves this row out."""
     from collections import defaultdict
 
     import stpipe.pipeline as P
