@@ -159,14 +159,14 @@ def as_index_array(ids: Any) -> np.ndarray:
             f"row ids must be integers (int32 or int64), got dtype {arr.dtype}; "
             "cast them with .astype(np.int64) / .long() if they hold whole numbers"
         )
-    if arr.dtype == np.int32 or arr.dtype == np.int64:
-        return np.ascontiguousarray(arr)
+    if arr.dtype == np.int32 or arr.dtype == np.int64:  # (ascontiguousarray makes 0-d 1-d)
+        return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         pos = int(np.argmax(arr > np.iinfo(np.int64).max))
         raise StpipeIndexError(
             f"row id {int(arr.reshape(-1)[pos])} at position {pos} does not fit in int64"
         )
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return arr.astype(np.int64, order="C")
 
 
 def _first_out_of_range_numpy(flat: np.ndarray, num_rows: int) -> int:

@@ -142,3 +142,40 @@ def test_capacity_hint_and_growth():
                 assert emb.weight.shape[0] == len(step.ids)
                 base = emb.weight.untyped_storage().nbytes() // (DIM * 4)
                 assert base >= max(64, len(step.ids))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_scalar_ids_give_one_row_like_nn_embedding(depth):
+    """A 0-d id is looked up as ``(dim,)``, like nn.Embedding, in and out of a step, alone
+    or as one part of a batch's ids; training on it matches nn.Embedding + SGD exactly."""
+    emb = make()
+    ref = torch.nn.Embedding(NUM_ROWS, DIM)
+    with torch.no_grad():
+        ref.weight.copy_(emb.table.tensor())
+    assert emb(torch.tensor(5)).shape == (DIM,) and emb(7).shape == (DIM,)
+    assert emb(np.int32(9)).shape == (DIM,)
+    assert torch.equal(emb(torch.tensor(5)), ref(torch.tensor(5)).detach())
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    batches = [torch.tensor(5), torch.tensor(5), torch.tensor(199, dtype=torch.int32), torch.tensor(0)]
+    w = torch.randn(len(batches), DIM, generator=torch.Generator().manual_seed(1))
+    with Pipeline(emb, optimizer=opt, depth=depth) as pipe:
+        for i, step in enumerate(pipe.run(batches)):
+            with step:
+                out = emb(step.ids)
+                assert out.shape == (DIM,) == emb(step.ids.clone()).shape
+                (out * w[i]).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    for i, ids in enumerate(batches):
+        (ref(ids.long()) * w[i]).sum().backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert torch.equal(emb.table.tensor(), ref.weight.detach())
+    # a scalar as one part of the batch's ids
+    with Pipeline(emb, depth=depth, ids=lambda b: [b, torch.tensor([[1, 5]])]) as pipe:
+        for step in pipe.run([torch.tensor(3)]):
+            with step:
+                a, b = step.ids
+                assert emb(a).shape == (DIM,) and emb(b).shape == (1, 2, DIM)
+                assert torch.equal(emb(a), ref.weight.detach()[3])

@@ -126,6 +126,16 @@ def test_plan_input_kinds(impl, make):
     _check(p, ref)
 
 
+@pytest.mark.parametrize("ids", [5, np.int32(5), np.array(5, dtype=np.uint8), torch.tensor(5)],
+                         ids=["int", "np-int32", "0d-uint8", "0d-tensor"])
+def test_scalar_ids_keep_their_shape(impl, ids):
+    """A 0-d id plans to a 0-d inverse (numpy's ascontiguousarray would make it 1-d)."""
+    assert planner.as_index_array(ids).shape == ()
+    p = planner.plan(ids, 10)
+    assert p.inverse.shape == () and p.unique.tolist() == [5] and p.counts.tolist() == [1]
+    assert planner.check_ids(ids, 10).shape == ()
+
+
 def test_empty_batch_gives_empty_plan(impl):
     for ids in ([], np.empty(0, np.int64), np.empty((0, 3), np.int32), torch.empty(0, dtype=torch.long)):
         p = planner.plan(ids, 5)
