@@ -974,19 +974,26 @@ def save(path: PathLike, obj: Any, optimizer: Any = None, extra: Any = None) -> 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.lexists(target):
-        _discard(old)  # target is complete whenever both exist
-        _crash_point("old-cleared")
-        os.rename(target, old)
-        fsync_folder(parent)
-        _crash_point("aside")
+    aside = False
+    try:
+        if os.path.lexists(target):
+            _discard(old)  # target is complete whenever both exist
+            _crash_point("old-cleared")
+            os.rename(target, old)
+            aside = True
+            fsync_folder(parent)
+            _crash_point("aside")
         os.rename(tmp, target)
         fsync_folder(parent)
         _crash_point("in")
-    else:
-        os.rename(tmp, target)
-        fsync_folder(parent)
-        _crash_point("in")
+    except Exception:  # (a crash, which these steps are ordered for, raises nothing)
+        if aside and not os.path.lexists(target):
+            try:
+                os.rename(old, target)  # the previous checkpoint back under its name
+            except OSError:
+                pass  # still loadable: load() falls back to path.old
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already if it became the target
+        raise
     _discard(old)
     fsync_folder(parent)
     _crash_point("done")

@@ -471,6 +471,38 @@ def test_falls_back_to_old_after_crash_between_renames(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ck"]
 
 
+@pytest.mark.parametrize("fail", ["aside", "in", "in-new-path"])
+def test_failed_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch, fail):
+    """An OSError from save's last renames (moving the old checkpoint aside, moving the new
+    one in) leaves what was there under its name and no temporary directory."""
+    emb = HostEmbedding(NUM_ROWS, DIM, device="cpu", generator=torch.Generator().manual_seed(0))
+    path = str(tmp_path / "ck")
+    if fail != "in-new-path":
+        ckpt.save(path, emb, extra="v1")
+    before = emb.table.tensor().clone()
+    emb.table.zeros_()
+    real = os.rename
+
+    def rename(a, b):
+        a, b = os.fspath(a), os.fspath(b)
+        if (b.endswith(".old") if fail == "aside" else os.path.basename(a).startswith("ck.tmp-")):
+            raise OSError(5, "injected rename failure")
+        return real(a, b)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        ckpt.save(path, emb, extra="v2")
+    monkeypatch.setattr(ckpt.os, "rename", real)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ([] if fail == "in-new-path" else ["ck"])
+    if fail != "in-new-path":
+        emb2 = HostEmbedding(NUM_ROWS, DIM, device="cpu", init="zeros")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to ck.old
+            assert ckpt.load(path, emb2) == "v1"
+        assert torch.equal(emb2.table.tensor(), before)
+    assert ckpt.load(ckpt.save(path, emb, extra="v3"), emb) == "v3"  # and saving goes on
+
+
 # ---------------------------------------------------------------------- crash tests
 # One child interpreter imports torch once (single-threaded, so forking it is safe) and
 # forks a grandchild per crash; each grandchild is a real process killed with SIGKILL,
