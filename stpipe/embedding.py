@@ -284,6 +284,12 @@ class HostEmbedding(nn.Module):
         rs.scalar_keys = tuple(scalar_keys)
         rs.keys = tuple(keys)
         rs.discovered = bool(discovered)
+        if not rs.discovered:
+            # the state is found again at the next step, by comparing its tensors' shapes
+            # with the parameter's: give it the shape it had when the state was saved
+            # (before the first step; not the last step's working rows)
+            self.weight.grad = None
+            self.weight.data = torch.empty(0, self.embedding_dim, dtype=self.dtype, device=self.device)
 
     # -------------------------------------------------------------------- forward
     def lookup(self, ids: Any) -> torch.Tensor:

@@ -143,6 +143,24 @@ def test_resume_is_bit_identical(tmp_path, opt_name, depth, k):
     assert pipe2.stats["steps"] == len(batches)
 
 
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("k", [0, 4])
+def test_rewind_a_trained_pipeline(tmp_path, opt_name, k):
+    """Loading an earlier checkpoint (step 0 included: Adagrad's state then still has the
+    shape of the empty parameter) into the pipeline that trained on, then training again,
+    gives what training straight through gives."""
+    batches = make_batches()
+    want = reference(opt_name, batches)
+    emb, opt, sched, pipe = make(opt_name, 1)
+    with pipe:
+        train_steps(pipe, emb, opt, sched, batches[:k])
+        path = pipe.save_checkpoint(tmp_path / "ck", extra=sched.state_dict())
+        train_steps(pipe, emb, opt, sched, batches[k:])
+        sched.load_state_dict(pipe.load_checkpoint(path))
+        train_steps(pipe, emb, opt, sched, batches[k:])
+    assert_same(snapshot(emb, opt), want)
+
+
 @pytest.mark.parametrize("opt_name", ["adam", "adagrad"])
 def test_state_dict_round_trip_and_torch_save(tmp_path, opt_name):
     """Pipeline.state_dict/load_state_dict, also through torch.save + weights_only load."""
