@@ -49,11 +49,17 @@ when complete, so a crash at any point leaves a loadable checkpoint:
   (with a ``RuntimeWarning``): that happens only after a crash between the two renames.
 * ``<path>.tmp-*`` and ``<path>.trash-*`` are garbage; the next :func:`save` removes them.
   One writer per path at a time.
+* A save that lands while another process loads the same path does not mix the two
+  checkpoints: the files read into the tables stay open from their check to their read
+  (the other files are read into new memory, checksummed, before any table is written).
+  The load gets the checkpoint whose manifest it read, or refuses with a checksum
+  mismatch and leaves the targets untouched.
 
 ``save`` refuses to replace an existing ``path`` that is not an stpipe checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -66,7 +72,7 @@ import warnings
 import zlib
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -360,6 +366,7 @@ class _FileRef:
         self.crcs = [int(c) for c in info["crc32"]]
         self.chunk = int(info["chunk"])
         self.offset: Optional[int] = None
+        self._held: Optional[BinaryIO] = None  # kept open from the header check (:meth:`hold`)
 
     def spec(self) -> Tuple[Tuple[int, ...], torch.dtype]:
         return self.shape, self.dtype
@@ -368,8 +375,13 @@ class _FileRef:
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
-    def check_header(self) -> None:
+    def check_header(self, hold: bool = False) -> None:
         """Open the file, parse and check its header and size (no data read).
+
+        With ``hold``, the file stays open and every later read (:meth:`verify`,
+        :meth:`read_into`) goes through it, so they all read the file that was checked,
+        even if a save to the same path moves another checkpoint in meanwhile (the old
+        files stay readable while open); :meth:`release` closes it.
 
         Raises:
             StpipeValueError: missing file, not ``.npy``, a pickled/object array, a dtype,
@@ -380,7 +392,7 @@ class _FileRef:
             f = open(self.path, "rb")
         except FileNotFoundError:
             raise StpipeValueError(f"{self.path}: file missing; the checkpoint is incomplete") from None
-        with f:
+        try:
             fmt = np.lib.format
             try:
                 version = fmt.read_magic(f)
@@ -410,12 +422,36 @@ class _FileRef:
                 raise StpipeValueError(f"{self.path}: fortran order; expected C order")
             self.offset = f.tell()
             size = os.fstat(f.fileno()).st_size
+        except BaseException:
+            f.close()
+            raise
+        if hold:
+            self.release()
+            self._held = f
+        else:
+            f.close()
         want = self.offset + self.nbytes
         if size != want or size != self.size:
             raise StpipeValueError(
                 f"{self.path}: {size} bytes, expected {want} ({self.offset} header + {self.nbytes} data; "
                 f"manifest says {self.size}); the file is truncated or corrupted"
             )
+
+    def release(self) -> None:
+        """Close the file kept open by ``check_header(hold=True)`` (if any)."""
+        f, self._held = self._held, None
+        if f is not None:
+            f.close()
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[BinaryIO]:
+        """The held file from its start, or the file opened by path (closed after)."""
+        if self._held is not None:
+            self._held.seek(0)
+            yield self._held
+            return
+        with open(self.path, "rb") as f:
+            yield f
 
     def _check_crcs(self, got: List[int]) -> None:
         if got != self.crcs:
@@ -437,7 +473,7 @@ class _FileRef:
         size = max(1, min(self.chunk, self.nbytes))
         if ring is None or len(ring[0]) < size:
             ring = _ring(size)
-        with open(self.path, "rb") as f:
+        with self._open() as f:
             crcs.add(f.read(self.offset))
             busy: List[Optional[Future]] = [None] * len(ring)
             i = 0
@@ -467,7 +503,7 @@ class _FileRef:
             self.check_header()
         flat = memoryview(_bytes_of(dest))
         crcs = _Crcs()
-        with open(self.path, "rb") as f:
+        with self._open() as f:
             crcs.add(f.read(self.offset))
             for start in range(0, len(flat), self.chunk):
                 piece = flat[start:start + self.chunk]
@@ -650,7 +686,10 @@ def _check(tg: _Targets, sd: Mapping[str, Any]) -> bool:
 
 
 def _apply(tg: _Targets, sd: Mapping[str, Any], with_opt: bool) -> None:
-    """Load checked state into the targets: everything that can fail is read first."""
+    """Load checked state into the targets: what goes to new memory (fresh state tables,
+    the optimizers' state) is read first; the live tables are written last, from the files
+    :func:`load` holds open. Only an I/O error while those stream in (or a checksum
+    mismatch, with ``verify="stream"``) leaves the tables partly loaded."""
     from .host import HostTable
 
     by_name = {t["name"]: t for t in sd["tables"]}
@@ -1088,13 +1127,21 @@ def load(path: PathLike, obj: Any, optimizer: Any = None, *, verify: str = "firs
     _check_loadable(tg)
     with_opt = _check(tg, sd)
     refs = list(_refs(sd)) + list(_refs(extra))
-    for ref in refs:
-        ref.check_header()
-    if verify == "first":
-        ring = _ring(max([min(r.chunk, r.nbytes) for r in refs] + [1]))
+    # the files read into the live tables stay open from their check to their read: a
+    # save to this path meanwhile then cannot mix another checkpoint's rows into them
+    # (the other files are read into new memory before any table is written)
+    held = {id(r) for t in sd["tables"] for r in _refs([t["weight"], t.get("row_state")])}
+    try:
         for ref in refs:
-            ref.verify(ring)
-        del ring
-    extra = _materialize(extra, None)
-    _apply(tg, sd, with_opt)
+            ref.check_header(hold=id(ref) in held)
+        if verify == "first":
+            ring = _ring(max([min(r.chunk, r.nbytes) for r in refs] + [1]))
+            for ref in refs:
+                ref.verify(ring)
+            del ring
+        extra = _materialize(extra, None)
+        _apply(tg, sd, with_opt)
+    finally:
+        for ref in refs:
+            ref.release()
     return extra
