@@ -204,7 +204,7 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: ...)`` only where there is a meaningful default."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -329,7 +329,7 @@ def _add_more_commands(sub) -> None:
     p_demo.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam",
                         help="dense optimizer run by the pipeline on each step's rows")
     p_demo.add_argument("--lr", type=_positive_float, default=None,
-                        help="learning rate (default: adam 0.03, adagrad 0.2, sgd 0.05)")
+                        help="learning rate (default: adam 0.03, adagrad 0.2, sgd 0.01)")
     p_demo.add_argument("--seed", type=int, default=0, help="seed of everything random")
     p_demo.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where the working rows train (default: cuda when available)")

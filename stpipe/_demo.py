@@ -57,7 +57,7 @@ PROBES = ("append", "socket", "thread", "encode", "sort", "exception")
 #: Optimizer state tensors per row (besides the row itself).
 _STATE_PER_ROW = {"sgd": 0, "adagrad": 1, "adam": 2}
 #: Default learning rates (loss summed over pairs).
-DEFAULT_LR = {"sgd": 0.05, "adagrad": 0.2, "adam": 0.03}
+DEFAULT_LR = {"sgd": 0.01, "adagrad": 0.2, "adam": 0.03}
 
 
 @dataclass

@@ -53,6 +53,15 @@ def test_no_command_is_a_usage_error():
     assert "usage:" in res.stderr
 
 
+def test_help_shows_zero_defaults():
+    """A default of 0 is a default (argparse's formatter was skipped for falsy ones)."""
+    res = run_cli("demo", "--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "seed of everything random (default: 0)" in text
+    assert "sgd 0.01" in text
+
+
 def test_unknown_command_is_a_usage_error():
     res = run_cli("frobnicate")
     assert res.returncode == 2

@@ -225,3 +225,18 @@ def test_load_refuses_bad_files(tmp_path):
     np.savez(str(obj), words=np.array([{"a": 1}], dtype=object), vectors=np.zeros((1, 2)))
     with pytest.raises(_corpus.CorpusError):
         _demo.load_vectors(str(obj))
+
+
+@pytest.mark.skipif(not _demo.stpipe_available(), reason="stpipe.Pipeline not importable")
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_default_learning_rates_converge(optimizer):
+    """Each optimizer's default learning rate trains the demo's model on a million words of
+    the standard library: the loss ends finite and below the untrained model's 6 ln 2 per
+    pair (1 positive + 5 negatives at logit 0). SGD's former default (0.05) diverged here,
+    to tens of thousands per pair. (Adam's is what ``python -m stpipe demo`` runs.)"""
+    torch.manual_seed(0)
+    cfg = _demo.DemoConfig(optimizer=optimizer, buckets=200_000, seed=0)
+    res = _demo.train(_demo.prepare(None, cfg, 1_000_000), cfg)
+    tail = float(np.mean(res.losses[-20:]))
+    print(f"{optimizer} lr {cfg.learning_rate}: last losses {tail:.3f} per pair")
+    assert np.isfinite(tail) and tail < 6 * np.log(2) - 0.3, tail
