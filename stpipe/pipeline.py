@@ -567,7 +567,7 @@ class Step:
     written back). A step cannot be entered twice.
     """
 
-    def __init__(self, pipeline: "Pipeline", flight: _Flight):
+    def __init__(self, pipeline: "Pipeline", flight: _Flight) -> None:
         self._pipe = pipeline
         self._flight = flight
         self._entered = False
@@ -579,6 +579,7 @@ class Step:
 
     @property
     def index(self) -> int:
+        """The batch's position in the iterable (0-based)."""
         return self._flight.index
 
     @property
@@ -593,10 +594,14 @@ class Step:
 
     @property
     def ids(self) -> Any:
+        """The ids as ``ids=`` returned them (for several tables, a dict ``name -> ids``);
+        pass them, or their parts, to the embedding: ``emb(step.ids)`` takes the rows
+        this step gathered without looking them up again."""
         return self._flight.ids
 
     @property
     def plans(self) -> Dict[Any, Plan]:
+        """``{name: Plan}``: each table's deduplicated ids (``None`` names a single table)."""
         return {name: tf.plan for name, tf in self._flight.tables.items()}
 
     def __repr__(self) -> str:
@@ -610,7 +615,7 @@ class Step:
         self._entered = True
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> bool:
         self._exited = True
         self._pipe._exit(self, failed=exc_type is not None)
         return False
@@ -942,7 +947,7 @@ class Pipeline:
         self._check_open()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: Any) -> bool:
         self.close()
         return False
 
