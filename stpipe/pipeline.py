@@ -575,6 +575,7 @@ class Step:
         self._snaps: Dict[Any, Any] = {}
         self._t_enter = 0.0
         self._compute_stream = None
+        self._issued = False  # the write-back got past its checks (:meth:`Pipeline._write_back`)
         self.record: Dict[str, float] = {}
 
     @property
@@ -1648,7 +1649,19 @@ class Pipeline:
         if self._profile and self._cuda:
             compute.synchronize()
         t1 = time.perf_counter()
-        self._write_back(step)
+        try:
+            self._write_back(step)
+        except BaseException:
+            if not step._issued:  # refused by its checks: nothing written, the step failed
+                self._fail(step, run)
+            else:  # pragma: no cover - a failure issuing copies (a CUDA error): no hang at least
+                with self._lock:
+                    self._inflight.pop(f.index, None)
+                if run is not None and not run.closed:
+                    run.free(f.slot)
+                f.slot = -1
+                self.stats["failed"] += 1
+            raise
         if self._profile:
             if self._cuda:
                 self._copy_stream.synchronize()
@@ -1687,6 +1700,10 @@ class Pipeline:
         Stream: the copy stream, after ``done`` recorded on the compute stream; the
         training thread does not wait. Under the issue lock, so every gather is issued
         either before it (and fixed up here) or after it (and reads the written host).
+
+        The checks come first (the optimizer still holds every state key, ``emb.weight``
+        still has the step's shape): one that fails raises before anything is written,
+        and :meth:`_exit` fails the step as if the user's code had raised.
         """
         f = step._flight
         cs = self._copy_stream
@@ -1724,6 +1741,7 @@ class Pipeline:
                         buf.copy_(cur)
                 sv[key] = buf
             views[name] = (rows, sv)
+        step._issued = True
         with self._lock:
             if self._cuda:
                 done = self._done_ev

@@ -760,6 +760,37 @@ def test_state_key_dropped_during_step_is_an_error(depth):
         _adam_run(depth, 3, drop)
 
 
+@DEPTHS
+@pytest.mark.parametrize("how", ["drop-state-key", "replace-weight"])
+def test_write_back_refusal_fails_the_step_and_goes_on(depth, how):
+    """The write-back's own checks refusing a step (a state key dropped, ``emb.weight``
+    replaced by another shape), caught by the user at two steps in a row: each such step
+    fails like a step whose code raised (nothing written, scalar state restored, the slot
+    given back), and training goes on to the end, equal to a run without those batches."""
+    fail = (3, 4)
+    batches = make_batches("hot")
+    ref, _ = train(0, "adam", batches, skip=fail)
+    emb = make_emb()
+    opt = OPTIMIZERS["adam"](emb.parameters())
+    with Pipeline(emb, optimizer=opt, ids=lambda b: b["ids"], depth=depth) as pipe:
+        for step in pipe.run(batches):
+            try:
+                with step:
+                    loss_fn(emb(step.ids), step.batch["target"]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if step.index in fail:
+                        if how == "drop-state-key":
+                            del opt.state[emb.weight]["exp_avg_sq"]
+                        else:
+                            emb.weight.data = torch.zeros(1, DIM)
+            except StpipeRuntimeError as exc:
+                assert step.index in fail and ("exp_avg_sq" in str(exc) or "replaced" in str(exc))
+    assert pipe.stats["failed"] == len(fail) and pipe.stats["steps"] == STEPS - len(fail)
+    assert_same(ref, snapshot(emb, opt))
+    _assert_no_prefetch_threads()
+
+
 def test_concat_ids_matches_numpy():
     """The prefetch thread's concatenation of multi-part ids (GIL released for long int64
     parts) gives np.concatenate's flat int64 result for any dtype and layout."""
