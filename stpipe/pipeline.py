@@ -1562,6 +1562,12 @@ class Pipeline:
         if run is None or run.closed:
             raise StpipeRuntimeError(f"step {step.index} belongs to a run that has ended")
         f = step._flight
+        if f.slot < 0:  # given back when the loop moved past it (:meth:`_deliver`)
+            raise StpipeRuntimeError(
+                f"step {step.index} was skipped: the loop took the next step (or its run "
+                "ended) before it was entered, so its rows are gone; enter each step "
+                "(`with step:`) before taking the next"
+            )
         t0 = time.perf_counter()
         cs = self._copy_stream
         compute = current_stream(self.device) if self._cuda else None

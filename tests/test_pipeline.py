@@ -791,6 +791,43 @@ def test_write_back_refusal_fails_the_step_and_goes_on(depth, how):
     _assert_no_prefetch_threads()
 
 
+@DEPTHS
+def test_step_skipped_by_the_loop_cannot_be_entered(depth):
+    """A step the loop moved past before entering it (``next()`` twice, a look-ahead
+    wrapper), or one of a run that ended, is refused on entry; no row changes (lr 0)."""
+    emb = HostEmbedding(10, 2, device="cpu", init="zeros")
+    emb.table.tensor().copy_(torch.arange(10.0).unsqueeze(1).repeat(1, 2))
+    want = emb.table.tensor().clone()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.0)
+
+    def train_step(s):
+        with s:
+            emb(s.ids).sum().backward()
+            opt.step()
+
+    with Pipeline(emb, optimizer=opt, depth=depth) as pipe:
+        it = pipe.run([torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])])
+        s0, s1 = next(it), next(it)
+        with pytest.raises(StpipeRuntimeError, match="step 0 was skipped"):
+            s0.__enter__()
+        train_step(s1)
+        for s in it:
+            train_step(s)
+        assert pipe.stats["skipped"] == 1 and pipe.stats["steps"] == 2
+        it = pipe.run([torch.tensor([1, 2])])
+        old = next(it)
+        it.close()
+        it = pipe.run([torch.tensor([3, 4]), torch.tensor([5, 6])])
+        s = next(it)
+        with pytest.raises(StpipeRuntimeError, match="step 0 was skipped"):
+            old.__enter__()
+        train_step(s)
+        for s in it:
+            train_step(s)
+    assert torch.equal(emb.table.tensor(), want)
+    _assert_no_prefetch_threads()
+
+
 def test_concat_ids_matches_numpy():
     """The prefetch thread's concatenation of multi-part ids (GIL released for long int64
     parts) gives np.concatenate's flat int64 result for any dtype and layout."""
