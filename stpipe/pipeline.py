@@ -706,12 +706,20 @@ class Pipeline:
         if not self.tables:
             raise StpipeValueError("Pipeline needs at least one table")
         seen = set()
+        hosts: Dict[int, Any] = {}
         for name, emb in self.tables.items():
             if not isinstance(emb, HostEmbedding):
                 raise StpipeTypeError(f"table {name!r} must be a HostEmbedding, got {type(emb).__name__}")
             if id(emb) in seen:
                 raise StpipeValueError(f"table {name!r} is given twice")
             seen.add(id(emb))
+            other = hosts.setdefault(id(emb.table), name)
+            if other != name:  # each would carry and write back the shared rows on its own
+                raise StpipeValueError(
+                    f"tables {other!r} and {name!r} wrap the same HostTable; expected one "
+                    "HostEmbedding per HostTable. For tied weights, use one table and give "
+                    "it the id fields as a tuple: ids=lambda b: {..., 'tied': (b['a'], b['b'])}"
+                )
         devices = {emb.device for emb in self.tables.values()}
         if len(devices) != 1:
             raise StpipeValueError(f"all tables must share one device, got {sorted(map(str, devices))}")

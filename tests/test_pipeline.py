@@ -277,6 +277,10 @@ def test_constructor_validation():
         Pipeline(emb, optimizer=opt_other)
     with pytest.raises(StpipeValueError, match="twice"):
         Pipeline({"a": emb, "b": emb})
+    # two embeddings over one HostTable: each would carry and write back the shared rows
+    # on its own (depth 1 then differs from depth 0); tied weights are one table instead
+    with pytest.raises(StpipeValueError, match="'a' and 'b' wrap the same HostTable"):
+        Pipeline({"a": emb, "b": HostEmbedding(table=emb.table)})
 
 
 def test_dataloader_iterator_and_profile():
