@@ -473,3 +473,34 @@ def test_gpu_lean_upload_declines_wide_inverses(cuda_device, monkeypatch):
     assert got[2] and not any(got[2]), f"expected the lean path to decline every batch, got {got[2]}"
     assert_same(ref[0], got[0])
     assert_same(ref[1], got[1])
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("lean", [False, True], ids=["general", "lean"])
+def test_gpu_scalar_ids_give_one_row(cuda_device, depth, lean):
+    """0-d ids (alone, or one part of a table's ids) through both uploads: lookups of
+    shape ``(dim,)`` like nn.Embedding's, and SGD equal to nn.Embedding + SGD."""
+    emb = make_emb(cuda_device)
+    ref = torch.nn.Embedding(NUM_ROWS, DIM, device=cuda_device)
+    with torch.no_grad():
+        ref.weight.copy_(emb.table.tensor())
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    data = [(torch.tensor(i % 3), torch.tensor([[5, i]])) for i in range(6)]
+    with Pipeline(emb, optimizer=opt, depth=depth, ids=lambda b: list(b)) as pipe:
+        pipe._lean = lean
+        for step in pipe.run(data):
+            with step:
+                a, b = step.ids
+                ra, rb = emb(a), emb(b)
+                assert ra.shape == (DIM,) and rb.shape == (1, 2, DIM)
+                (ra.sum() + 2 * rb.sum()).backward()
+                opt.step()
+                opt.zero_grad()
+    for a, b in data:
+        (ref(a.to(cuda_device)).sum() + 2 * ref(b.to(cuda_device)).sum()).backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert emb(torch.tensor(7)).shape == (DIM,)
+    got, want = emb.table.tensor(), ref.weight.detach().cpu()
+    assert torch.equal(got, want), f"max diff {(got - want).abs().max()}"
