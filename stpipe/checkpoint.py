@@ -366,7 +366,7 @@ class _FileRef:
         self.crcs = [int(c) for c in info["crc32"]]
         self.chunk = int(info["chunk"])
         self.offset: Optional[int] = None
-        self._held: Optional[BinaryIO] = None  # kept open from the header check (``check_header(hold=True)``)
+        self._held: Optional[BinaryIO] = None  # open since ``check_header(hold=True)``
 
     def spec(self) -> Tuple[Tuple[int, ...], torch.dtype]:
         return self.shape, self.dtype
