@@ -65,6 +65,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import time
@@ -943,6 +944,19 @@ def _discard(folder: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _new_folder(parent: str, prefix: str) -> str:
+    """A new directory ``parent/prefix<random>`` with the umask's permissions, as ``mkdir``
+    gives (``tempfile.mkdtemp``'s are 0700: a checkpoint others may read, like its files)."""
+    for _ in range(100):
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free name {prefix}* in {parent}")
+
+
 def _base_of(base: str) -> str:
     return base[:-4] if base.endswith(".old") else base
 
@@ -989,7 +1003,7 @@ def save(path: PathLike, obj: Any, optimizer: Any = None, extra: Any = None) -> 
     for leftover in os.listdir(parent):  # garbage of crashed saves (one writer per path)
         if leftover.startswith(base + ".tmp-") or leftover.startswith(base + ".trash-"):
             shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
-    tmp = tempfile.mkdtemp(prefix=base + ".tmp-", dir=parent)
+    tmp = _new_folder(parent, base + ".tmp-")
     old = target + ".old"
     try:
         w = _Writer(tmp)

@@ -477,6 +477,19 @@ def test_save_replaces_and_cleans_up(tmp_path):
     assert ckpt.load(p, emb2) == 2 and bool((emb2.table.tensor() == 0).all())
 
 
+def test_checkpoint_folder_has_the_umask_permissions(tmp_path):
+    """The checkpoint directory is made like ``mkdir`` makes one (its files too), not
+    private to its owner as a temporary directory is."""
+    emb = HostEmbedding(NUM_ROWS, DIM, device="cpu")
+    mask = os.umask(0o022)
+    try:
+        p = ckpt.save(tmp_path / "ck", emb)
+    finally:
+        os.umask(mask)
+    assert os.stat(p).st_mode & 0o777 == 0o755
+    assert all(os.stat(os.path.join(p, f)).st_mode & 0o777 == 0o644 for f in os.listdir(p))
+
+
 def test_falls_back_to_old_after_crash_between_renames(tmp_path):
     emb = HostEmbedding(NUM_ROWS, DIM, device="cpu", generator=torch.Generator().manual_seed(0))
     p = ckpt.save(tmp_path / "ck", emb, extra="v1")
