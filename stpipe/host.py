@@ -110,6 +110,8 @@ def _resolve_device(device: DeviceLike, cuda: bool) -> torch.device:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
         raise StpipeValueError(f"device must be 'cpu' or a CUDA device, got {dev}")
+    else:
+        dev = torch.device("cpu")  # "cpu:0" too: CPU tensors report plain "cpu"
     return dev
 
 
@@ -483,8 +485,14 @@ class HostTable:
         if not callable(fn):
             raise StpipeTypeError(f"fn must be callable, got {type(fn).__name__}")
         self.synchronize()
-        calls, bad = _record_init(fn, (self.num_rows, self.dim), self.dtype, args, kwargs)
         name = getattr(fn, "__name__", repr(fn))
+        try:
+            calls, bad = _record_init(fn, (self.num_rows, self.dim), self.dtype, args, kwargs)
+        except (ValueError, RuntimeError) as exc:  # e.g. dirac_: "only 3, 4 or 5 dimensions"
+            raise StpipeValueError(
+                f"init_({name}) failed on a ({self.num_rows}, {self.dim}) table: {exc}; "
+                "initialise a full tensor and use copy_from()"
+            ) from exc
         if bad is not None and name not in _CHUNKWISE_OK:
             raise StpipeValueError(
                 f"init_({name}) is not elementwise (it ran {bad} on the table), so it "
@@ -513,7 +521,9 @@ class HostTable:
         if isinstance(src, np.ndarray):
             if src.dtype.kind != "f":
                 raise StpipeTypeError(f"expected a float array, got dtype {src.dtype}")
-            get = lambda a, b: torch.from_numpy(np.ascontiguousarray(src[a:b]))  # noqa: E731
+            # torch takes native byte order and at most float64 (not longdouble)
+            want = np.dtype(np.float64) if src.dtype.itemsize > 8 else src.dtype.newbyteorder("=")
+            get = lambda a, b: torch.from_numpy(np.ascontiguousarray(src[a:b], dtype=want))  # noqa: E731
         elif isinstance(src, torch.Tensor):
             if not src.is_floating_point():
                 raise StpipeTypeError(f"expected a float tensor, got dtype {src.dtype}")

@@ -112,9 +112,10 @@ def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of a nested batch, keeping the structure.
 
-    Containers are rebuilt with their own type: ``dict`` and other mappings (a mutable
-    mapping is shallow-copied and updated, so ``defaultdict``/``OrderedDict`` keep their
-    extras), ``list`` (subclasses are shallow-copied and assigned item by item),
+    Containers are rebuilt with their own type: ``dict`` and other mappings (a ``dict``
+    subclass or ``UserDict`` is copied and updated, so ``defaultdict``/``OrderedDict``
+    keep their extras; another mapping is ``type(x)(items)``, or a plain ``dict`` where
+    its constructor does not take one, since its copy may share its items), ``list`` (subclasses are shallow-copied and assigned item by item),
     ``tuple``, namedtuples (``type(x)(*fields)``) and dataclass instances (shallow copy,
     then every field set with ``object.__setattr__``, so frozen and ``init=False``
     fields work and ``__init__``/``__post_init__`` are not run again). Every other leaf
@@ -148,7 +149,7 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
         if type(batch) is dict:
             return items
         try:
-            if isinstance(batch, collections.abc.MutableMapping):
+            if isinstance(batch, (dict, collections.UserDict)):  # their copies own their items
                 clone = copy.copy(batch)
                 clone.update(items)
                 return clone
@@ -208,6 +209,8 @@ def _resolve_device(device: DeviceLike) -> torch.device:
             return torch.device("cpu")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "cpu":
+        dev = torch.device("cpu")  # "cpu:0" too: CPU tensors report plain "cpu"
     return dev
 
 

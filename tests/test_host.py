@@ -117,12 +117,13 @@ def test_init_uses_whole_table_fans(monkeypatch):
     assert x.abs().max() <= 0.03 and x.std() > 0.005
 
 
-@pytest.mark.parametrize("fn", [torch.nn.init.orthogonal_, torch.nn.init.eye_],
-                         ids=["orthogonal", "eye"])
+@pytest.mark.parametrize("fn", [torch.nn.init.orthogonal_, torch.nn.init.eye_, torch.nn.init.dirac_],
+                         ids=["orthogonal", "eye", "dirac"])
 def test_init_refuses_non_elementwise(fn):
     t = HostTable(20, 4, **CPU).zeros_()
-    with pytest.raises(ValueError, match="copy_from"):
+    with pytest.raises(ValueError, match="copy_from") as info:
         t.init_(fn)
+    assert isinstance(info.value, StpipeError)
     assert torch.count_nonzero(t.tensor()) == 0
 
 
@@ -140,6 +141,34 @@ def test_copy_from_and_from_tensor(dtype):
         t.copy_from(np.zeros((30, 7), dtype=np.int64))
     with pytest.raises(TypeError):
         t.copy_from([[1.0] * 7] * 30)
+    # any float dtype numpy has: other byte order, longdouble (torch takes neither)
+    for np_dtype in (">f4", ">f8", np.longdouble):
+        a = np.arange(210, dtype=np_dtype).reshape(30, 7)
+        t.copy_from(a)
+        assert torch.equal(t.tensor(), torch.arange(210, dtype=torch.float64).reshape(30, 7).to(dtype))
+
+
+def test_cpu_0_is_the_cpu():
+    t = HostTable(6, 2, device="cpu:0", pin=False).zeros_()
+    assert t.device == torch.device("cpu")
+    t.scatter([1], torch.ones(1, 2))
+    out = torch.empty(1, 2)
+    t.gather([1], out=out)
+    assert out.tolist() == [[1.0, 1.0]] and t.gather([1]).device == torch.device("cpu")
+
+
+def test_read_only_ids_do_not_warn():
+    """Ids from np.frombuffer / a read-only memmap: torch warns when it wraps those;
+    nothing writes through ids, so the table copies them instead."""
+    import warnings
+
+    t = HostTable(10, 2, **CPU).zeros_()
+    ids = np.frombuffer(np.array([1, 3], dtype=np.int64).tobytes(), dtype=np.int64)
+    assert not ids.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t.scatter(ids, torch.ones(2, 2))
+        assert t.gather(ids).tolist() == [[1.0, 1.0]] * 2
 
 
 @pytest.mark.parametrize("np_dtype", [np.float32, np.float16], ids=["f32", "f16"])

@@ -149,6 +149,53 @@ def test_map_tensors_list_and_tuple_subclasses():
     assert size == torch.Size([2, 3])
 
 
+def test_map_tensors_never_modifies_a_mapping_it_rebuilds():
+    """A mutable mapping that keeps its items in an inner dict (its shallow copy would
+    share them) is rebuilt, not copied and updated; dict subclasses and UserDict keep
+    their type and extras. The input holds its own tensors afterwards."""
+    class Wrapper(collections.abc.MutableMapping):
+        def __init__(self, items=()):
+            self._d = dict(items)
+
+        def __getitem__(self, k):
+            return self._d[k]
+
+        def __setitem__(self, k, v):
+            self._d[k] = v
+
+        def __delitem__(self, k):
+            del self._d[k]
+
+        def __iter__(self):
+            return iter(self._d)
+
+        def __len__(self):
+            return len(self._d)
+
+    class KwOnly(Wrapper):
+        def __init__(self, **kw):
+            super().__init__(kw)
+
+    dd = collections.defaultdict(list)
+    for batch in (Wrapper({"x": torch.zeros(2)}), KwOnly(x=torch.zeros(2)),
+                  collections.UserDict(x=torch.zeros(2)), collections.OrderedDict(x=torch.zeros(2)), dd):
+        batch["x"] = torch.zeros(2)
+        x = batch["x"]
+        out = _map_tensors(lambda t: t + 1, batch)
+        assert batch["x"] is x and x.tolist() == [0.0, 0.0]
+        assert out["x"].tolist() == [1.0, 1.0]
+        assert type(out) is (dict if isinstance(batch, KwOnly) else type(batch))
+    assert out.default_factory is list
+
+
+def test_cpu_0_is_the_cpu():
+    """"cpu:0" names the CPU: batches pass through as they are (CPU tensors report "cpu")."""
+    x = torch.ones(3)
+    p = prefetch([{"x": x}], "cpu:0")
+    assert p.device == torch.device("cpu")
+    assert [b["x"] is x for b in p] == [True]
+
+
 _leaves = st.one_of(
     st.none(), st.integers(), st.text(max_size=3),
     st.lists(st.floats(-5, 5), max_size=4).map(torch.tensor),

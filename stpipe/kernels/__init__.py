@@ -84,8 +84,13 @@ class IndexBatch:
         return int(self.host.shape[0])
 
     def cpu(self, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """A CPU int64 tensor sharing memory with ``host[start:stop]``."""
-        return torch.from_numpy(self.host[start:stop])
+        """A CPU int64 tensor sharing memory with ``host[start:stop]`` (a copy when the
+        ids are read-only: ``torch.from_numpy`` warns about those, and nothing writes
+        through ids anyway)."""
+        h = self.host[start:stop]
+        if not h.flags.writeable:
+            h = h.copy()
+        return torch.from_numpy(h)
 
     def on_device(self, device: torch.device, stream: "torch.cuda.Stream") -> torch.Tensor:
         """The ids as a ``(n,)`` int64 tensor on ``device``, valid on ``stream``.
