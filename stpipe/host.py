@@ -100,7 +100,10 @@ def _as_count(name: str, value: Any) -> int:
 def _resolve_device(device: DeviceLike, cuda: bool) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise StpipeValueError(f"device must be 'cpu' or a CUDA device, got {device!r} ({exc})") from None
     if dev.type == "cuda":
         if not cuda:
             raise BackendUnavailableError(

@@ -187,6 +187,7 @@ def _resolve_device(device: DeviceLike) -> torch.device:
 
     Raises:
         StpipeTypeError: ``device`` is not a str, int, ``torch.device`` or ``None``.
+        StpipeValueError: a device string torch does not know.
     """
     if device is None:
         if torch.cuda.is_available():
@@ -197,7 +198,10 @@ def _resolve_device(device: DeviceLike) -> torch.device:
             f"device must be a str, int or torch.device (e.g. 'cuda', 0, "
             f"torch.device('cuda', 0)), got {type(device).__name__}: {device!r}"
         )
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as exc:
+        raise StpipeValueError(f"device must be a CUDA device or 'cpu', got {device!r} ({exc})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             warnings.warn(
@@ -416,7 +420,7 @@ class Prefetcher(Generic[T]):
 
         Raises:
             StpipeTypeError: ``loader`` is not iterable, or a bad ``device``/``depth`` type.
-            StpipeValueError: ``depth < 1``.
+            StpipeValueError: ``depth < 1``, or a device string torch does not know.
         """
         if not isinstance(loader, collections.abc.Iterable) and not hasattr(loader, "__getitem__"):
             raise StpipeTypeError(
@@ -596,7 +600,7 @@ def prefetch(loader: Iterable[T], device: DeviceLike, depth: int = 2) -> Prefetc
     Raises:
         StpipeTypeError: ``loader`` is not iterable, or ``device``/``depth`` has the
             wrong type.
-        StpipeValueError: ``depth < 1``.
+        StpipeValueError: ``depth < 1``, or a device string torch does not know.
 
     Errors of the loader surface from ``next()`` at the batch where they happened, as
     :class:`~stpipe.StpipeRuntimeError` whose ``__cause__`` is the original exception.

@@ -51,9 +51,10 @@ def test_default_device_and_pin_follow_cuda():
         ((4, 4, "float8"), {}, TypeError),
         ((4, 4), {"backend": "jax"}, ValueError),
         ((4, 4), {"device": "mps"}, ValueError),
+        ((4, 4), {"device": "bogus"}, ValueError),
     ],
     ids=["zero-rows", "neg-dim", "float-rows", "bool-rows", "f64", "int32", "bad-name",
-         "backend", "device"],
+         "backend", "device", "device-name"],
 )
 def test_bad_construction(args, kwargs, exc):
     with pytest.raises(exc) as info:

@@ -450,6 +450,8 @@ def test_not_iterable_and_bad_device():
         prefetch(42, "cpu")
     with pytest.raises(StpipeTypeError, match="device"):
         prefetch([1], 1.0)
+    with pytest.raises(StpipeValueError, match="got 'bogus'"):
+        prefetch([1], "bogus")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
