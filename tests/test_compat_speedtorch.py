@@ -413,6 +413,63 @@ def test_opt_init_gives_initial_state_values(opt_name, expect):
         np.testing.assert_array_equal(tables[key], np.float32(value))
 
 
+FP16_STATE_OPTIMIZERS = ["Adam", "Adam-amsgrad", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad",
+                         "RMSprop", "SGD-momentum"]
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+@pytest.mark.parametrize("opt_name", FP16_STATE_OPTIMIZERS)
+def test_float16_state_tables_for_a_float32_model(opt_name, cpupinn):
+    """OptimizerFactory(dtype='float16') with a float32 model: the state rows are
+    installed in the parameter's dtype (regression: float16 rows made Adam's and Adamax's
+    ``step`` raise "expected dtype c10::Half"), the tables stay float16, and training
+    agrees with float32 state tables within float16 rounding.
+
+    Tolerance: float16 keeps 11 significant bits (unit roundoff u = 2**-11 ~ 4.9e-4) and
+    each step rounds every state row it writes back once, so after S steps the weights
+    and the state agree to rtol = 4 * S * u (~1.2e-2 for S = 6), with atol 1e-5 for
+    values near 0. Gradients are O(1) here, so the second moments stay well above
+    float16's underflow (6e-8), where the state would be lost rather than rounded.
+    """
+    steps, n, B, D = 6, 20, 6, 4
+
+    def run(state_dtype):
+        torch.manual_seed(0)
+        rng = np.random.default_rng(0)
+        emb = torch.nn.Embedding(B, D)
+        model = torch.nn.ModuleDict({"u": emb})
+        ms = SpeedTorch.ModelFactory(emb, n, D, CPUPinn=cpupinn)
+        ms.uniformDistributionInit(-1, 1)
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        osw = SpeedTorch.OptimizerFactory(opt, n, D, model, "u", dtype=state_dtype, CPUPinn=cpupinn)
+        osw.optInit()
+        target, dummy = torch.randn(B, D) * 2, torch.arange(B)
+        for _ in range(steps):
+            ids = rng.integers(0, 8, B)  # rows come back: their state is read again
+            ms.beforeForwardPass(ids)
+            osw.beforeForwardPass(ids)
+            installed = [opt.state[emb.weight][k] for k in osw.optVarList if k in opt.state[emb.weight]]
+            assert installed and all(t.dtype == torch.float32 for t in installed)
+            loss = ((emb(dummy) - target) ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ms.afterOptimizerStep(ids)
+            osw.afterOptimizerStep(ids)
+        tables = osw.getNumpyVersion()
+        want = np.float16 if state_dtype == "float16" else np.float32
+        assert all(t.dtype == want for t in tables.values())
+        assert emb.weight.dtype == torch.float32
+        return dict(weight=ms.getNumpyVersion(), **tables)
+
+    half, full = run("float16"), run("float32")
+    rtol = 4 * steps * 2.0 ** -11
+    assert half.keys() == full.keys()
+    for key in full:
+        np.testing.assert_allclose(half[key].astype(np.float32), full[key], rtol=rtol, atol=1e-5,
+                                   err_msg=key)
+
+
 def test_scalar_state_stays_per_parameter():
     got = run_pattern("cpu", "ASGD", steps=3)
     st = got["opt"].state[got["model"].v_embeddings.weight]
@@ -626,6 +683,104 @@ def test_save_load_torch_roundtrip(tmp_path):
     torch.save(torch.zeros(3, 3), tmp_path / "bad.pt")
     with pytest.raises(ValueError):
         other.loadTorch(str(tmp_path / "bad.pt"))
+
+
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_big_endian_npy_files_load(tmp_path, cpupinn):
+    """A big-endian ``.npy`` (``np.save`` of a ``'>f4'`` array) loads with its values
+    (regression: torch's "byte order" ValueError escaped, not an stpipe error)."""
+    data = (np.arange(24).reshape(8, 3) / 7).astype(">f4")
+    np.save(tmp_path / "be.npy", data)
+    assert np.load(tmp_path / "be.npy").dtype.str == ">f4"
+    mf = SpeedTorch.ModelFactory(torch.nn.Embedding(2, 3), 8, 3, CPUPinn=cpupinn)
+    mf.loadCupy(tmp_path / "be.npy")
+    np.testing.assert_array_equal(mf.getNumpyVersion(), data.astype(np.float32))
+    g = SpeedTorch.DataGadget(str(tmp_path / "be.npy"), CPUPinn=cpupinn)
+    g.gadgetInit()
+    np.testing.assert_array_equal(g.getNumpyVersion(), data.astype(np.float32))
+    np.testing.assert_array_equal(g.getData([5, 1]).cpu().numpy(), data[[5, 1]].astype(np.float32))
+
+
+def test_bad_files_and_arguments_raise_stpipe_errors(tmp_path):
+    """A truncated ``.npy``, an unreadable ``loadTorch`` file, ``low > high``, a negative
+    ``stdDev`` and an unknown ``deviceType`` raise stpipe's ValueError with what was
+    expected and what was got (regression: torch's RuntimeError / pickle's
+    UnpicklingError escaped, and a truncated file was called pickled); a failed
+    initialiser keeps the old table."""
+    from stpipe import StpipeValueError
+
+    emb = torch.nn.Embedding(2, 3)
+    np.save(tmp_path / "tr.npy", np.zeros((100, 3), np.float32))
+    with open(tmp_path / "tr.npy", "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(StpipeValueError, match=r"expected a whole \.npy array, got 72 bytes of data "
+                       r"after a header that describes 1200 .*truncated") as err:
+        SpeedTorch.ModelFactory(emb, 100, 3).loadCupy(tmp_path / "tr.npy")
+    assert "unpickling" not in str(err.value)
+    with pytest.raises(StpipeValueError, match="truncated"):
+        SpeedTorch.DataGadget(str(tmp_path / "tr.npy")).gadgetInit()
+    (tmp_path / "pickled.npy").write_bytes(__import__("pickle").dumps([1, 2]))
+    with pytest.raises(StpipeValueError, match="needs unpickling"):
+        SpeedTorch.DataGadget(str(tmp_path / "pickled.npy")).gadgetInit()
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file" * 8)
+    pf = SpeedTorch.PytorchModelFactory(emb, 8, 3, deviceType="cpu")
+    pf.zerosInit()
+    with pytest.raises(StpipeValueError, match="expected a tensor saved by torch.save"):
+        pf.loadTorch(tmp_path / "bad.pt")
+    np.testing.assert_array_equal(pf.getNumpyVersion(), np.zeros((8, 3), np.float32))
+    for mf in (SpeedTorch.ModelFactory(emb, 8, 3), SpeedTorch.ModelFactory(emb, 8, 3, CPUPinn=True),
+               SpeedTorch.PytorchModelFactory(emb, 8, 3, deviceType="cpu", pinType=True)):
+        mf.uniformDistributionInit(0.25, 0.5)
+        before = mf.getNumpyVersion()
+        with pytest.raises(StpipeValueError, match="expected numbers, got low=nan"):
+            mf.uniformDistributionInit(float("nan"), 1)
+        with pytest.raises(StpipeValueError, match="expected stdDev >= 0, got -1"):
+            mf.normalDistributionInit(0.0, -1)
+        np.testing.assert_array_equal(mf.getNumpyVersion(), before)  # the old table stays
+        mf.uniformDistributionInit(1, -1)  # SpeedTorch (CuPy) drew between the two
+        got = mf.getNumpyVersion()
+        assert got.min() >= -1 and got.max() <= 1 and got.std() > 0.1
+    model = SkipGram(2, 2, 3)
+    opt = torch.optim.Adam(model.parameters())
+    for make in (lambda d: SpeedTorch.PytorchModelFactory(emb, 8, 3, deviceType=d),
+                 lambda d: SpeedTorch.PytorchOptimizerFactory(opt, 8, 3, model, "u_embeddings", deviceType=d)):
+        with pytest.raises(StpipeValueError, match="deviceType: expected 'cuda' .* or 'cpu' .*got 'gpu'"):
+            make("gpu")
+        with pytest.raises(StpipeValueError, match="got 'meta'"):
+            make("meta")
+    assert len(emb._forward_pre_hooks) <= 1  # a refused switcher left no hook behind
+
+
+@pytest.mark.parametrize("make", [
+    lambda emb: SpeedTorch.PytorchModelFactory(emb, 16, 8, deviceType="cpu"),
+    lambda emb: SpeedTorch.PytorchModelFactory(emb, 16, 8, deviceType="cpu", pinType=True),
+    lambda emb: SpeedTorch.CPUPytorchModelFactory(emb, 16, 8),
+    lambda emb: SpeedTorch.CPUPytorchModelFactory(emb, 16, 8, datatype="float16"),
+    lambda emb: SpeedTorch.PytorchModelFactory(emb, 16, 8, deviceType="cuda"),  # a CPU tensor without CUDA
+], ids=["cpu", "cpu-pinned", "CPUPytorch", "CPUPytorch-float16", "cuda"])
+def test_custom_init_takes_non_elementwise_functions(make):
+    """customInit takes any torch.nn.init function on host tables too, as SpeedTorch did:
+    orthogonal_, eye_ and sparse_ run on a full tensor, then are copied in (regression:
+    refused as not elementwise); elementwise ones still run chunk-wise; a function that
+    fails on a table of this shape raises stpipe's ValueError."""
+    from stpipe import StpipeValueError
+
+    emb = torch.nn.Embedding(4, 8)
+    torch.manual_seed(0)
+    pf = make(emb)
+    half = pf._dtype == torch.float16
+    pf.customInit(torch.nn.init.orthogonal_)
+    w = pf.getNumpyVersion().astype(np.float64)  # (16, 8): orthonormal columns
+    np.testing.assert_allclose(w.T @ w, np.eye(8), atol=5e-3 if half else 1e-5)
+    pf.customInit(torch.nn.init.eye_)
+    np.testing.assert_array_equal(pf.getNumpyVersion(), np.eye(16, 8))
+    pf.customInit(torch.nn.init.sparse_, 0.5, 0.1)
+    w = pf.getNumpyVersion()
+    assert ((w == 0).sum(axis=0) == 8).all() and (w != 0).any()  # half of each column zero
+    pf.customInit(torch.nn.init.constant_, 0.25)
+    np.testing.assert_array_equal(pf.getNumpyVersion(), np.full((16, 8), 0.25))
+    with pytest.raises(StpipeValueError, match="dirac_"):
+        pf.customInit(torch.nn.init.dirac_)
 
 
 def test_api_surface_and_defaults():
@@ -846,6 +1001,48 @@ def test_datagadget_other_shapes_and_dtypes(tmp_path, shape, dtype):
         np.testing.assert_array_equal(back, data)
 
 
+@pytest.mark.parametrize("cpupinn", [False, True])
+def test_datagadget_insert_requires_the_data_shape_of_its_ids(tmp_path, cpupinn):
+    """insertData takes data shaped ``ids.shape + row_shape`` or ``(n, *row_shape)``;
+    data with the right element count but another shape (a transposed batch, rows of
+    another width) raises StpipeValueError naming both shapes, and nothing is written
+    (regression: only the element count was compared and the rows came out scrambled)."""
+    from stpipe import StpipeValueError
+
+    data = np.zeros((8, 3, 2), np.float32)  # rows of shape (3, 2)
+    np.save(tmp_path / "d.npy", data)
+    g = SpeedTorch.DataGadget(str(tmp_path / "d.npy"), CPUPinn=cpupinn)
+    g.gadgetInit()
+    ids = np.array([[0, 1], [2, 3]])
+    rows = torch.arange(24, dtype=torch.float32).reshape(4, 3, 2)
+    for bad in (rows.reshape(2, 2, 6), rows.permute(0, 2, 1).contiguous(), rows.reshape(4, 6),
+                rows.reshape(24), rows.reshape(2, 12), rows.reshape(1, 4, 3, 2)):
+        with pytest.raises(StpipeValueError) as err:
+            g.insertData(bad, ids)
+        msg = str(err.value)
+        assert "expected data of shape (2, 2, 3, 2) or (4, 3, 2)" in msg
+        assert f"got {tuple(bad.shape)}" in msg
+        np.testing.assert_array_equal(g.getNumpyVersion(), data)  # nothing written
+    with pytest.raises(ValueError, match=r"expected data of shape \(4, 3, 2\) \(the ids"):
+        g.insertData(rows.permute(0, 2, 1).contiguous(), ids.reshape(-1))  # (4, 2, 3)
+    np.testing.assert_array_equal(g.getNumpyVersion(), data)
+    # the two shapes the docstring names both write the rows
+    g.insertData(rows.reshape(2, 2, 3, 2), ids)
+    np.testing.assert_array_equal(g.getNumpyVersion()[:4], rows.numpy())
+    g.insertData(rows.flip(0), ids)
+    np.testing.assert_array_equal(g.getNumpyVersion()[:4], rows.flip(0).numpy())
+    # a 2-d table: a transposed batch is refused, the same batch as rows is taken
+    np.save(tmp_path / "t.npy", np.zeros((8, 3), np.float32))
+    t = SpeedTorch.DataGadget(str(tmp_path / "t.npy"), CPUPinn=cpupinn)
+    t.gadgetInit()
+    batch = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    with pytest.raises(StpipeValueError, match=r"expected data of shape \(4, 3\).*got \(3, 4\)"):
+        t.insertData(batch.t().contiguous(), np.arange(4))
+    np.testing.assert_array_equal(t.getNumpyVersion(), np.zeros((8, 3), np.float32))
+    t.insertData(batch, np.arange(4))
+    np.testing.assert_array_equal(t.getNumpyVersion()[:4], batch.numpy())
+
+
 def test_datagadget_before_init_raises():
     with pytest.raises(RuntimeError, match="gadgetInit"):
         SpeedTorch.DataGadget("nowhere.npy").getData([0])
@@ -1063,6 +1260,67 @@ def test_switchers_and_their_tables_are_freed_when_dropped(device):
     assert [r() is None for r in refs] == [True] * len(refs)
 
 
+@pytest.mark.parametrize("old_kept", [False, True], ids=["old-dropped", "old-kept"])
+def test_second_switcher_on_a_module_takes_over_its_remapping_hook(tmp_path, old_kept):
+    """A new model switcher on a module (a new run, a reload) replaces the old one's
+    forward pre-hook: one hook per module, so dummy positions are remapped once, by the
+    layout of the switcher whose rows the weight holds; an old switcher still in use
+    takes the hook back when it swaps its rows in (regression: the old hook stayed and
+    remapped the positions a second time)."""
+    import gc
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(6, 2)
+    old = SpeedTorch.ModelFactory(emb, 30, 2)
+    old.uniformDistributionInit(-1, 1)
+    old.beforeForwardPass(np.array([5, 9, 5, 9, 7, 7]))  # duplicates: remapping on
+    old.saveCupy(tmp_path / "u")
+    table = old.getNumpyVersion()
+    if not old_kept:
+        del old
+        gc.collect()
+    new = SpeedTorch.ModelFactory(emb, 30, 2)
+    new.loadCupy(tmp_path / "u.npy")
+    ids = np.array([3, 1, 3, 8, 2, 4])
+    new.beforeForwardPass(ids)
+    assert len(emb._forward_pre_hooks) == 1
+    np.testing.assert_array_equal(emb(torch.arange(6)).detach().numpy(), table[ids])
+    if old_kept:  # the old switcher swaps its rows in again: its layout remaps, once
+        back = np.array([2, 2, 0, 6, 6, 6])
+        old.beforeForwardPass(back)
+        assert len(emb._forward_pre_hooks) == 1
+        np.testing.assert_array_equal(emb(torch.arange(6)).detach().numpy(), table[back])
+        old.close()  # not the owner any more: the new switcher's hook stays
+        new.beforeForwardPass(ids)
+        assert len(emb._forward_pre_hooks) == 1
+        np.testing.assert_array_equal(emb(torch.arange(6)).detach().numpy(), table[ids])
+    new.close()
+    assert len(emb._forward_pre_hooks) == 0
+
+
+def test_dropped_switchers_and_tables_are_freed_while_the_module_lives():
+    """Re-creating a switcher for the same module keeps no earlier switcher (nor its full
+    table) alive: the module's hook refers to its switcher weakly and leaves the module
+    with it (regression: the hook was a bound method, so the module kept every
+    switcher and table)."""
+    import gc
+    import weakref
+
+    emb = torch.nn.Embedding(4, 16)
+    refs = []
+    for _ in range(3):
+        sw = SpeedTorch.ModelFactory(emb, 1000, 16)
+        sw.zerosInit()
+        sw.beforeForwardPass(np.array([1, 2, 2, 4]))
+        emb(torch.arange(4))  # the hook ran
+        refs.append((weakref.ref(sw), weakref.ref(sw._store.t)))
+        assert len(emb._forward_pre_hooks) == 1
+        del sw
+        gc.collect()
+        assert len(emb._forward_pre_hooks) == 0
+    assert [(s() is None, t() is None) for s, t in refs] == [(True, True)] * 3
+
+
 @pytest.mark.parametrize("with_neg", [False, True])
 def test_id_buffer_reused_and_mutated_in_place(with_neg):
     """A batch whose ids come in the same numpy buffer as the last one, refilled in place,
@@ -1161,10 +1419,9 @@ def _refill_loop(device, order, fresh, steps=6, B=4, P=2, N=3, n_u=30, n_v=40, d
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["pattern", "opt-first"])
 def test_ids_refilled_in_place_between_steps_are_seen(device, order):
-    """Later calls of a step take its layout by the identity of the id arrays, without
-    comparing them again; the first call of the next step compares, so a loader that
-    refills the same buffers in place trains exactly as one that hands new arrays to
-    every call."""
+    """Later calls of a step take its layout when given the same id arrays still holding
+    its ids; the first call of the next step compares, so a loader that refills the same
+    buffers in place trains exactly as one that hands new arrays to every call."""
     refilled = _refill_loop(device, order, fresh=False)
     fresh = _refill_loop(device, order, fresh=True)
     assert refilled.keys() == fresh.keys()
@@ -1172,28 +1429,117 @@ def test_ids_refilled_in_place_between_steps_are_seen(device, order):
         np.testing.assert_array_equal(refilled[key], fresh[key], err_msg=key)
 
 
-def test_later_calls_of_a_step_do_not_compare_the_ids(monkeypatch):
-    """Of a step's four switcher calls for a table, only the first reads the ids again
-    (to compare them with the last step's); the other three find the layout by identity.
-    Copies of the ids, or a tensor edited in place, are compared."""
+def test_later_calls_of_a_step_reuse_the_layout_cheaply(monkeypatch):
+    """Of a step's four switcher calls for a table, only the first converts, checks and
+    plans the ids (comparing them with the last step's); the other three take its layout
+    after one ``memcmp`` of numpy ids against the layout's own copy (numpy keeps no edit
+    counter) and without reading tensor ids (their version counter). Copies of the ids,
+    a numpy buffer refilled in place or a tensor edited in place are compared in full."""
     compared: list = []
-    real = SpeedTorch.same_ids
-    monkeypatch.setattr(SpeedTorch, "same_ids", lambda a, b: compared.append(1) or real(a, b))
+    converted: list = []
+    real_same, real_conv = SpeedTorch.same_ids, SpeedTorch.as_index_array
+    monkeypatch.setattr(SpeedTorch, "same_ids", lambda a, b: compared.append(1) or real_same(a, b))
+    monkeypatch.setattr(SpeedTorch, "as_index_array", lambda a: converted.append(1) or real_conv(a))
     p = torch.nn.Parameter(torch.zeros(2, 2))
     calls = ("model-before", "opt-before", "model-after", "opt-after")
     ids = np.array([[4, 1], [4, 7]])
     lay = SpeedTorch._layout_for(p, ids, None, 10, calls[0])
+    converted.clear()
     for c in calls[1:]:
         assert SpeedTorch._layout_for(p, ids, None, 10, c) is lay
-    assert compared == []
+    assert compared == [1, 1, 1] and converted == []  # one memcmp each, no conversion
     ids[0, 0] = 9  # the next step: the buffer refilled in place
+    compared.clear()
     nxt = SpeedTorch._layout_for(p, ids, None, 10, calls[0])
-    assert nxt is not lay and len(compared) == 1 and nxt.unique.tolist() == [1, 4, 7, 9]
-    assert SpeedTorch._layout_for(p, ids.copy(), None, 10, calls[1]) is nxt and len(compared) == 2
+    assert nxt is not lay and nxt.unique.tolist() == [1, 4, 7, 9]
+    compared.clear()
+    converted.clear()
+    assert SpeedTorch._layout_for(p, ids.copy(), None, 10, calls[1]) is nxt
+    assert len(compared) == 1 and len(converted) == 1  # a copy: compared in full
     t = torch.tensor([[4, 1], [4, 7]])
     lay = SpeedTorch._layout_for(p, t, None, 10, calls[0])
+    compared.clear()
+    converted.clear()
+    for c in calls[1:]:
+        assert SpeedTorch._layout_for(p, t, None, 10, c) is lay
+    assert compared == [] and converted == []  # tensors: the version counter only
     t[0, 0] = 9  # an edit torch counts: compared, and a new layout
+    lay = SpeedTorch._layout_for(p, t, None, 10, calls[0])
     assert SpeedTorch._layout_for(p, t, None, 10, calls[1]).unique.tolist() == [1, 4, 7, 9]
+
+
+@pytest.mark.parametrize("kinds", ["numpy", "numpy+tensor", "tensor+numpy"])
+def test_layout_shortcut_sees_numpy_ids_refilled_between_calls(kinds):
+    """The shortcut for a later call of a step takes the last layout only while the very
+    same id objects still hold its ids: a numpy buffer refilled in place before a call
+    not yet made on the layout gets the layout of its new ids (numpy ids have no edit
+    counter, so identity alone proved nothing; regression: the old ids' layout came
+    back)."""
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    pos = np.array([[4, 1], [2, 7]])
+    neg = np.array([3, 5])
+    if kinds == "numpy+tensor":
+        neg = torch.as_tensor(neg)
+    elif kinds == "tensor+numpy":
+        pos = torch.as_tensor(pos)
+    first = SpeedTorch._layout_for(p, pos, neg, 30, "model-before")
+    assert first.ids.tolist() == [4, 1, 2, 7, 3, 5]
+    target = pos if isinstance(pos, np.ndarray) else neg  # a numpy part
+    target[...] = np.arange(20, 20 + target.size).reshape(target.shape)  # refilled in place
+    got = SpeedTorch._layout_for(p, pos, neg, 30, "opt-before")
+    want = np.concatenate([np.asarray(pos).ravel(), np.asarray(neg).ravel()])
+    assert got is not first
+    assert got.ids.tolist() == want.tolist()
+    # unchanged from here on: the later calls of the step take the new layout
+    assert SpeedTorch._layout_for(p, pos, neg, 30, "model-after") is got
+    assert SpeedTorch._layout_for(p, pos, neg, 30, "opt-after") is got
+
+
+def test_eval_pass_between_steps_with_one_refilled_id_buffer():
+    """speedtorch_audit repro_stale_layout_reused_buffer: one numpy id buffer refilled in
+    place; an evaluation batch goes through the model switcher only, then the next
+    training step calls the optimizer switcher first. That call must install the state
+    rows of the training ids (fresh rows: zeros), not the evaluation ids' (regression:
+    their Adam state was installed, then written back onto the training ids' rows)."""
+    torch.manual_seed(0)
+    N, D, B = 50, 4, 4
+    emb = torch.nn.Embedding(B, D)
+    model = torch.nn.ModuleDict({"u": emb})
+    us = SpeedTorch.ModelFactory(emb, N, D)
+    us.uniformDistributionInit(-0.5, 0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    uo = SpeedTorch.OptimizerFactory(opt, N, D, model, "u")
+    uo.optInit()
+    dummy = torch.arange(B)
+    ids = np.empty(B, dtype=np.int64)  # one id buffer, refilled in place
+
+    def train_step(new_ids):
+        ids[:] = new_ids
+        uo.beforeForwardPass(ids)  # the optimizer switcher first
+        installed = {k: opt.state[emb.weight][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        us.beforeForwardPass(ids)
+        loss = (emb(dummy) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        us.afterOptimizerStep(ids)
+        uo.afterOptimizerStep(ids)
+        return installed
+
+    train_step([0, 1, 2, 3])
+    train_step([10, 11, 12, 13])
+    ids[:] = [0, 1, 2, 3]  # the evaluation batch: the model switcher only
+    us.beforeForwardPass(ids)
+    with torch.no_grad():
+        emb(dummy)
+    before = uo.getNumpyVersion()
+    installed = train_step([20, 21, 22, 23])
+    after = uo.getNumpyVersion()
+    for key in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(installed[key].numpy(), before[key][20:24], err_msg=key)
+        # the rows of ids 0..3 are not touched by the step of ids 20..23
+        np.testing.assert_array_equal(after[key][:4], before[key][:4], err_msg=key)
+        assert np.abs(after[key][20:24]).sum() > 0, key
 
 
 def test_moves_ask_fusable_once_per_stores_and_forget_them(monkeypatch):

@@ -31,8 +31,10 @@ Differences from SpeedTorch (its defects, fixed):
   gives) and it is written back once. The model variable's weight then holds the ``k``
   unique rows (ascending id order) and a forward pre-hook on the embedding module remaps
   the dummy positions ``0..n-1`` of :meth:`ModelFactory.variableTransformer` onto them,
-  so user code is unchanged. Batches without duplicates keep SpeedTorch's layout exactly
-  (weight row ``j`` holds the ``j``-th id) and no remapping happens. The remapping needs
+  so user code is unchanged (one hook per module: a newer switcher of the module takes
+  it over, and it holds its switcher weakly, so a dropped switcher is freed). Batches
+  without duplicates keep SpeedTorch's layout exactly (weight row ``j`` holds the
+  ``j``-th id) and no remapping happens. The remapping needs
   the dummy positions to go *through the module's forward* (``module(dummy)``); code that
   indexes ``module.weight`` by hand should pass ``dedup=False`` (SpeedTorch's layout: one
   weight row per position; duplicates are then written back once, the last occurrence
@@ -53,11 +55,13 @@ Differences from SpeedTorch (its defects, fixed):
   ``beforeForwardPass``, the other call order) writes the weight rows then. (They are
   the rows the weight holds at that moment: a change made to the weight in place between
   the two calls would be written too.)
-* **A step's ids are compared once per table**: the first switcher call of a step
-  compares its ids with the last step's; the step's later calls take its layout by the
-  identity of the id arrays (tensors also by their version counter), so buffers refilled
-  in place between steps are seen, ids edited in place between two calls of one step are
-  not (SpeedTorch would move the rows of the edited ids).
+* **A step's ids are planned once per table**: the first switcher call of a step
+  compares its ids with the last step's; the step's later calls take its layout when
+  given the same id objects still holding its ids (tensors: their version counter;
+  numpy arrays: one ``memcmp`` of their content, as numpy keeps no edit counter), so
+  buffers refilled in place are seen, between steps or between any two calls. (A tensor
+  written through a numpy view of it bypasses its version counter and is not seen
+  between two calls of one step.)
 * **No global allocator swapping**: pinned tables are page-locked in place at exact size.
 * **Optimizer switchers run on PyTorch 2.x** (SpeedTorch's step state was a Python int):
   SparseAdam, Adagrad, Adadelta, Adamax, Adam, AdamW, ASGD, RMSprop, Rprop, and also SGD,
@@ -83,6 +87,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import threading
 import warnings
 import weakref
@@ -305,8 +310,16 @@ class _TensorStore:
         self.t.normal_(mean, std)
 
     def init_(self, fn: Callable[..., Any], *args: Any) -> None:
-        with torch.no_grad():
-            fn(self.t, *args)
+        try:
+            with torch.no_grad():
+                fn(self.t, *args)
+        except ValueError as exc:  # e.g. dirac_: "only 3, 4 or 5 dimensions"
+            if isinstance(exc, StpipeValueError):
+                raise
+            raise StpipeValueError(
+                f"customInit({getattr(fn, '__name__', repr(fn))}) failed on a table of shape "
+                f"{tuple(self.t.shape)}: {exc}"
+            ) from exc
 
     def copy_from(self, src: Union[np.ndarray, torch.Tensor]) -> None:
         _copy_chunked(self.t, src)
@@ -442,7 +455,29 @@ class _HostStore:
         self.version += 1
 
     def init_(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.table.init_(fn, *args)
+        """``fn(table, *args)``: chunk-wise where ``fn`` is elementwise
+        (:meth:`stpipe.host.HostTable.init_`), else (``orthogonal_``, ``eye_``,
+        ``sparse_``, ...) on a full float32 tensor of the table's shape in host memory,
+        then copied in: a transient copy of the table (4 bytes per element) besides the
+        table itself, plus whatever ``fn`` needs (a QR of the whole table for
+        ``orthogonal_``), as SpeedTorch, which applied ``fn`` to its one tensor.
+
+        Raises:
+            StpipeValueError: ``fn`` fails on a full tensor too (the chunk-wise
+                error, which names it); the table is then unchanged.
+        """
+        try:
+            self.table.init_(fn, *args)
+        except StpipeValueError as exc:  # not elementwise: raised before anything is written
+            work = self.dtype if self.dtype in (torch.float32, torch.float64) else torch.float32
+            full = torch.empty((self.num_rows, self.dim), dtype=work)
+            try:
+                with torch.no_grad():
+                    fn(full, *args)
+            except Exception:
+                raise exc from None
+            self.table.copy_from(full)
+            del full
         self.version += 1
 
     def copy_from(self, src: Union[np.ndarray, torch.Tensor]) -> None:
@@ -523,8 +558,9 @@ def _copy_chunked(dst: torch.Tensor, src: Union[np.ndarray, torch.Tensor],
     with torch.no_grad():
         for a in range(0, int(dst.shape[0]), per):
             part = src[a:a + per]
-            if isinstance(part, np.ndarray):
-                part = torch.from_numpy(np.array(part, copy=True, order="C"))
+            if isinstance(part, np.ndarray):  # torch takes native byte order only
+                part = torch.from_numpy(np.array(part, dtype=part.dtype.newbyteorder("="),
+                                                 copy=True, order="C"))
             dst[a:a + per].copy_(part)
 
 
@@ -575,15 +611,41 @@ def _save_store_npy(store: Union[_TensorStore, _HostStore], path: str,
 
 
 def _open_npy(path: PathLike) -> np.ndarray:
-    """Memory-map a ``.npy`` file (never unpickles)."""
+    """Memory-map a ``.npy`` file (never unpickles).
+
+    Raises:
+        StpipeValueError: a file that needs unpickling (pickled or object data), or a
+            damaged ``.npy`` file (a header that does not parse, or less data than the
+            header describes).
+    """
     path = os.fspath(path)
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        raise StpipeValueError(
-            f"{path}: cannot read it as a .npy array without unpickling ({exc}); stpipe "
-            "refuses pickled data"
-        ) from None
+    except (ValueError, EOFError) as exc:
+        msg = str(exc)
+        if "pickle" in msg or "Python objects" in msg:
+            raise StpipeValueError(
+                f"{path}: expected a .npy array of numbers, got a file that needs unpickling "
+                f"({msg}); stpipe refuses pickled data"
+            ) from None
+        raise StpipeValueError(f"{path}: expected a whole .npy array, got {_npy_damage(path, exc)}") from None
+
+
+def _npy_damage(path: str, exc: BaseException) -> str:
+    """What is wrong with a ``.npy`` file that ``np.load`` could not map (for a message)."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            version = fmt.read_magic(f)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+            offset = f.tell()
+        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        have = os.path.getsize(path) - offset
+    except Exception as why:  # a header that does not parse
+        return f"a file whose .npy header cannot be read ({str(why) or str(exc)})"
+    return (f"{have} bytes of data after a header that describes {need} ({tuple(shape)} "
+            f"{dtype}): the file is truncated or damaged")
 
 
 def _load_store(path: PathLike, where: _Placement, device: torch.device,
@@ -609,10 +671,12 @@ def _load_store(path: PathLike, where: _Placement, device: torch.device,
             "(total_classes, embed_dimension)"
         )
     flat = arr.reshape(shape[0], -1) if arr.ndim != 2 else arr
-    try:
-        file_dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
-    except TypeError:
-        raise StpipeTypeError(f"{os.fspath(path)}: unsupported dtype {arr.dtype}") from None
+    try:  # (a big-endian file is read in native byte order, chunk by chunk)
+        file_dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype.newbyteorder("="))).dtype
+    except (TypeError, ValueError):
+        raise StpipeTypeError(
+            f"{os.fspath(path)}: expected a float (or integer) .npy array, got dtype {arr.dtype}"
+        ) from None
     want = dtype or file_dtype
     n, dim = int(flat.shape[0]), int(flat.shape[1])
     if (where.where == "host" and want in _HOST_DTYPES and want == file_dtype
@@ -681,16 +745,48 @@ class _Layout:
         self._unique_batch = IndexBatch(host=self.unique, is_sorted=True)
         #: a model switcher's fused gather of its table and its optimizer's state tables
         self.stash: Optional[_Stash] = None
-        #: the id objects last checked against ``ids`` (with tensors' versions) and the
-        #: switcher calls made on this layout since it was made (:func:`_layout_for`)
-        self.src: Tuple[Any, Any, Optional[Tuple[int, int]]] = (None, None, None)
+        #: the id objects last checked against ``ids``, each with its probe (see
+        #: :meth:`unchanged`), and the switcher calls made on this layout since it was
+        #: made (:func:`_layout_for`)
+        self.src: Tuple[Any, Any, Any, Any] = (None, None, None, None)
         self.calls: set = set()
 
     def checked(self, pos: Any, neg: Any, call: Optional[str]) -> None:
-        """Note that ``pos``/``neg`` were found to hold this layout's ids, by ``call``."""
-        self.src = (pos, neg, _versions(pos, neg))
+        """Note that ``pos``/``neg`` were found to hold this layout's ids, by ``call``.
+
+        Keeps a probe per part for :meth:`unchanged`: a tensor's version counter, or for
+        a numpy array a view of ``ids`` shaped like it (made here, once per check, so the
+        later calls of a step compare without allocating); ``None`` for ids of other
+        kinds (lists, ...), which are always compared in full.
+        """
+        pp = _probe(pos, self.ids, 0)
+        npb = None
+        if neg is not None and pp is not None:
+            npb = _probe(neg, self.ids, self.n - _numel(neg))
+            if npb is None:
+                pp = None
+        self.src = (pos, neg, pp, npb)
         if call is not None:
             self.calls.add(call)
+
+    def unchanged(self, pos: Any, neg: Any) -> bool:
+        """Whether ``pos``/``neg`` are the id objects last checked and still hold this
+        layout's ids: a tensor by its version counter (no read), a numpy array by its
+        content (one ``memcmp`` against a view of ``ids``: numpy has no version counter,
+        so a buffer refilled in place is only seen by reading it). Allocates nothing
+        beyond what :func:`stpipe.planner.same_ids` does."""
+        src = self.src
+        if pos is not src[0] or neg is not src[1]:
+            return False
+        pp = src[2]
+        if pp is None:
+            return False
+        if (pos._version != pp) if isinstance(pp, int) else not same_ids(pos, pp):
+            return False
+        if neg is None:
+            return True
+        npb = src[3]
+        return (neg._version == npb) if isinstance(npb, int) else same_ids(neg, npb)
 
     def _uids(self, store: Any) -> Any:
         if not isinstance(store, _HostStore):
@@ -1036,10 +1132,28 @@ _layouts = _WeakIdMap()
 _dedup_of = _WeakIdMap()
 
 
-def _versions(pos: Any, neg: Any) -> Optional[Tuple[int, int]]:
-    """In-place edit counters of tensor ids (``None`` for numpy ids, which have none)."""
-    if isinstance(pos, torch.Tensor) or isinstance(neg, torch.Tensor):
-        return (getattr(pos, "_version", -1), getattr(neg, "_version", -1))
+def _numel(ids: Any) -> int:
+    """Element count of tensor or numpy ids (-1 for other kinds)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.numel()
+    if isinstance(ids, np.ndarray):
+        return ids.size
+    return -1
+
+
+def _probe(ids: Any, flat: np.ndarray, start: int) -> Any:
+    """What tells later whether ``ids`` (found to hold ``flat[start:start + ids.size]``)
+    still does (:meth:`_Layout.unchanged`): a tensor's in-place edit counter, a numpy
+    array's matching view of ``flat`` (its content is compared: numpy keeps no edit
+    counter), ``None`` for other kinds (always compared in full), and for inference
+    tensors, which keep no edit counter."""
+    if isinstance(ids, torch.Tensor):
+        try:
+            return ids._version
+        except RuntimeError:  # an inference tensor
+            return None
+    if isinstance(ids, np.ndarray) and 0 <= start and start + ids.size <= flat.shape[0]:
+        return flat[start:start + ids.size].reshape(ids.shape)
     return None
 
 
@@ -1048,20 +1162,21 @@ def _layout_for(param: torch.Tensor, pos: Any, neg: Any, num_rows: int,
     """The layout of these ids for ``param``; reuses the last one when the ids match.
 
     ``call`` names the switcher call (``"model-before"``, ``"opt-after"``, ...). A call
-    given the very id objects the layout was last checked against (tensors: unedited
-    since), and not yet made on that layout, is a later call of the same step and takes
-    it without comparing the ids again. The first call of the next step has a name
-    already made on it, so it compares: ids refilled in place between steps are seen.
-    (Ids edited in place between two calls of one step are not; SpeedTorch would move
-    the rows of the edited ids.) ``None``: always compare.
+    given the very id objects the layout was last checked against, still holding its ids
+    (:meth:`_Layout.unchanged`: tensors unedited since by their version counter, numpy
+    arrays by one ``memcmp`` of their content, since numpy keeps no edit counter), and
+    not yet made on that layout, is a later call of the same step and takes it without
+    converting, range-checking or planning the ids again. Any other call compares them
+    in full, so ids refilled in place are seen whenever they change (between steps, or
+    between an evaluation pass of one switcher and the next step's first call of
+    another). ``None``: always compare.
     """
     dedup = _dedup_of.get(param, True)
     last = _layouts.get(param)
     if last is not None:
         calls = last.calls
-        if (call is not None and call not in calls and pos is last.src[0] and neg is last.src[1]
-                and num_rows == last.num_rows and dedup == last.dedup
-                and (last.src[2] is None or last.src[2] == _versions(pos, neg))):
+        if (call is not None and call not in calls and num_rows == last.num_rows
+                and dedup == last.dedup and last.unchanged(pos, neg)):
             calls.add(call)
             return last
         if last.matches(pos, neg, num_rows, dedup):
@@ -1094,6 +1209,24 @@ def _variable_transformer(batchSize: int, posPerBatch: int, negPerBatch: Optiona
         return pos
     neg = np.arange(n_pos, n_pos + batchSize * negPerBatch).reshape(batchSize, negPerBatch)
     return pos, neg
+
+
+def _as_device(deviceType: Any) -> torch.device:
+    """``deviceType`` of the ``Pytorch*`` classes as a ``cpu`` or ``cuda`` device.
+
+    Raises:
+        StpipeValueError: any other device or string.
+    """
+    try:
+        dev = torch.device(deviceType)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise StpipeValueError(
+            f"deviceType: expected 'cuda' (tables in GPU memory) or 'cpu' (host memory), "
+            f"got {deviceType!r}"
+        )
+    return dev
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -1199,11 +1332,27 @@ class _TableSwitch:
         self._fresh().zeros_()
 
     def uniformDistributionInit(self, low: float, high: float) -> None:
-        """Create the table with U(low, high) draws (torch's RNG)."""
-        self._fresh().uniform_(low, high)
+        """Create the table with U(low, high) draws (torch's RNG). ``low > high`` draws
+        between the two, as SpeedTorch's ``cupy.random.uniform`` did.
+
+        Raises:
+            ValueError: a bound that is NaN (checked before the old table is replaced).
+        """
+        lo, hi = float(low), float(high)
+        if lo != lo or hi != hi:
+            raise StpipeValueError(
+                f"uniformDistributionInit: expected numbers, got low={low}, high={high}"
+            )
+        self._fresh().uniform_(min(lo, hi), max(lo, hi))
 
     def normalDistributionInit(self, mean: float, stdDev: float) -> None:
-        """Create the table with N(mean, stdDev²) draws (torch's RNG)."""
+        """Create the table with N(mean, stdDev²) draws (torch's RNG).
+
+        Raises:
+            ValueError: ``stdDev < 0`` (checked before the old table is replaced).
+        """
+        if not float(stdDev) >= 0:
+            raise StpipeValueError(f"normalDistributionInit: expected stdDev >= 0, got {stdDev}")
         self._fresh().normal_(mean, stdDev)
 
     def variableTransformer(self, batchSize: int, posPerBatch: int, negPerBatch: Optional[int] = None):
@@ -1232,6 +1381,69 @@ class _TableSwitch:
 # ---------------------------------------------------------------------------------------
 # model switchers
 # ---------------------------------------------------------------------------------------
+class _RemapHook:
+    """The one forward pre-hook a model switcher puts on its embedding module.
+
+    It remaps the dummy positions by the layout of its *owner*: the switcher whose rows
+    the module's weight holds. A newer switcher on the same module (a new run, a reload)
+    takes the hook over instead of adding a second one, so positions are never remapped
+    twice; an older switcher that swaps rows in again takes it back. The hook refers to
+    its owner weakly and leaves the module when the owner is freed, so the module keeps
+    no dropped switcher (nor its full table) alive. Pickled or deep-copied with the
+    module, it becomes a hook without an owner, which remaps nothing.
+    """
+
+    __slots__ = ("_owner", "_module", "_handle", "__weakref__")
+
+    def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
+        self._owner: Optional[weakref.ref] = None
+        self._module = weakref.ref(module) if module is not None else None
+        self._handle = (module.register_forward_pre_hook(self, with_kwargs=True)
+                        if module is not None else None)
+
+    @classmethod
+    def claim(cls, module: torch.nn.Module, switch: "_ModelSwitch") -> "_RemapHook":
+        """The module's hook (registered if it has none), now owned by ``switch``."""
+        hook = _remap_hooks.get(module)
+        if hook is None:
+            hook = cls(module)
+            _remap_hooks[module] = hook
+        me = weakref.ref(hook)
+
+        def gone(ref: weakref.ref) -> None:  # the owner was freed
+            h = me()
+            if h is not None and h._owner is ref:
+                h.remove()
+
+        hook._owner = weakref.ref(switch, gone)
+        return hook
+
+    def owner(self) -> Optional["_ModelSwitch"]:
+        ref = self._owner
+        return ref() if ref is not None else None
+
+    def remove(self) -> None:
+        """Take the hook off its module."""
+        self._owner = None
+        if self._handle is not None:
+            self._handle.remove()
+        module = self._module() if self._module is not None else None
+        if module is not None and _remap_hooks.get(module) is self:
+            del _remap_hooks[module]
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        ref = self._owner
+        switch = ref() if ref is not None else None
+        return None if switch is None else switch._remap_hook(module, args, kwargs)
+
+    def __reduce__(self):
+        return (_RemapHook, ())  # no owner: the switcher stays with the original module
+
+
+#: the :class:`_RemapHook` of each embedding module that has one (weak keys)
+_remap_hooks = _WeakIdMap()
+
+
 class _ModelSwitch(_TableSwitch):
     def _attach(self, model_variable: Any, dedup: bool) -> None:
         if not isinstance(model_variable, torch.nn.Module):
@@ -1246,7 +1458,15 @@ class _ModelSwitch(_TableSwitch):
         self._layout: Optional[_Layout] = None
         #: prepared fused launches over this table and its optimizer's state tables
         self._moves = _Moves()
-        self._hook = model_variable.register_forward_pre_hook(self._remap_hook, with_kwargs=True)
+        #: the module's forward pre-hook, owned by this switcher while the weight holds
+        #: its rows (:class:`_RemapHook`; taken over by a newer switcher of the module)
+        self._hook: Optional[_RemapHook] = _RemapHook.claim(model_variable, self)
+
+    def _own_hook(self) -> None:
+        """Make this switcher the owner of its module's remapping hook (again: a newer
+        switcher of the module took it over, or :meth:`close` removed it)."""
+        self._hook = _RemapHook.claim(self.model_variable, self)
+        _dedup_of[_weight_of(self.model_variable)] = self._dedup
 
     def _rows_device(self) -> torch.device:
         return _weight_of(self.model_variable).device
@@ -1295,6 +1515,9 @@ class _ModelSwitch(_TableSwitch):
             RuntimeError: no table yet (call an initialiser).
         """
         store = self._require()
+        hook = self._hook
+        if hook is None or hook.owner() is not self:
+            self._own_hook()
         w = _weight_of(self.model_variable)
         lay = _layout_for(w, retrievedPosIndexes, retrievedNegIndexes, self.total_classes, "model-before")
         opt = _opt_switch(w)
@@ -1338,10 +1561,12 @@ class _ModelSwitch(_TableSwitch):
         lay.scatter(store, w.data)
 
     def close(self) -> None:
-        """Remove the forward pre-hook and free the table."""
-        if getattr(self, "_hook", None) is not None:
-            self._hook.remove()
-            self._hook = None
+        """Remove the forward pre-hook (unless a newer switcher of the module owns it)
+        and free the table."""
+        hook = getattr(self, "_hook", None)
+        if hook is not None and hook.owner() is self:
+            hook.remove()
+        self._hook = None
         self._close_store()
 
 
@@ -1403,19 +1628,31 @@ class PytorchModelFactory(_ModelSwitch):
                  datatype: Any = "float32", deviceType: Any = "cuda", pinType: bool = False,
                  *, dedup: bool = True) -> None:
         self._setup_table(total_classes, embed_dimension, datatype)
+        dev = _as_device(deviceType)
         self.dtype = self._dtype
         self.deviceType = deviceType
         self.pinType = pinType
         self._attach(model_variable, dedup)
-        dev = torch.device(deviceType)
         self._where = _placement(on_gpu=dev.type == "cuda", pin=bool(pinType),
                                  cupy_named=False, what=type(self).__name__,
                                  gpu_device=dev if dev.type == "cuda" else None)
 
     def customInit(self, initFunction: Callable[..., Any], *args: Any) -> None:
         """Create the table and fill it with ``initFunction(table, *args)`` (any
-        ``torch.nn.init`` function; on a host table it is applied chunk-wise with the
-        full table's fan-in/fan-out)."""
+        ``torch.nn.init`` function).
+
+        On a host table (``deviceType='cpu'``) an elementwise function is applied
+        chunk-wise with the full table's fan-in/fan-out; one that is not (``orthogonal_``,
+        ``eye_``, ``sparse_``) runs on a full float32 tensor of the table's shape, then
+        is copied in. Memory: that is a transient second copy of the table in host RAM
+        (4 bytes per element, freed before this returns) plus what the function needs
+        (``orthogonal_``: a QR of the whole table), as SpeedTorch needed for its one
+        tensor.
+
+        Raises:
+            ValueError: ``initFunction`` fails on a table of this shape (e.g.
+                ``dirac_``, which takes 3 to 5 dimensions).
+        """
         self._fresh().init_(initFunction, *args)
 
     def saveTorch(self, saveFileName: PathLike) -> None:
@@ -1429,13 +1666,23 @@ class PytorchModelFactory(_ModelSwitch):
         Loads with ``weights_only=True`` onto the CPU, then places it.
 
         Raises:
-            ValueError: not a ``(total_classes, embed_dimension)`` tensor.
+            ValueError: not a ``(total_classes, embed_dimension)`` tensor, or a file
+                ``torch.load(..., weights_only=True)`` cannot read.
         """
-        t = torch.load(os.fspath(loadFileName), map_location="cpu", weights_only=True)
+        path = os.fspath(loadFileName)
+        try:
+            t = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StpipeValueError(
+                f"{path}: expected a tensor saved by torch.save (read with "
+                f"weights_only=True), got a file torch.load cannot read that way ({first}); "
+                "stpipe refuses files that need unpickling other objects"
+            ) from None
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.total_classes, self.embed_dimension):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise StpipeValueError(
-                f"{os.fspath(loadFileName)}: expected a tensor of shape "
+                f"{path}: expected a tensor of shape "
                 f"{(self.total_classes, self.embed_dimension)}, got {got}"
             )
         self._fresh().copy_from(t.to(self._dtype))
@@ -1635,7 +1882,8 @@ class _OptimizerSwitch:
 
     def beforeForwardPass(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Install the batch's rows of every per-row state table in
-        ``given_optimizer.state[weight]`` (same layout as the model switcher's weight).
+        ``given_optimizer.state[weight]`` (same layout as the model switcher's weight, in
+        the weight's dtype: state tables of another ``dtype`` are converted).
 
         A parameter without state gets its scalar state created as the optimizer would
         (``step`` = 0, ASGD ``eta`` = lr, ``mu`` = 1, ...). Streams as
@@ -1654,7 +1902,13 @@ class _OptimizerSwitch:
         stash = lay.stash
         for key, store in tables.items():
             got = stash.take(store) if stash is not None else None
-            state[key] = got if got is not None else lay.gather(store, p.device)
+            rows = got if got is not None else lay.gather(store, p.device)
+            if rows.dtype != p.dtype:
+                # state tables of another dtype (dtype='float16' for a float32 model):
+                # the optimizers' kernels want the parameter's dtype; the write-back
+                # converts to the table's again
+                rows = rows.to(p.dtype)
+            state[key] = rows
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Write the per-row state rows of the batch back to their tables (each unique id
@@ -1714,6 +1968,11 @@ class OptimizerFactory(_OptimizerSwitch):
         model: the model.
         variable_name: the embedding's attribute name (``'u_embeddings'``).
         dtype: ``'float32'`` (default), ``'float16'`` or a torch dtype of the state tables.
+            Rows are installed in the parameter's dtype for the step and stored back in
+            this one (so float16 tables halve the state's memory for a float32 model;
+            values under float16's smallest subnormal, 6e-8, such as Adam's
+            ``exp_avg_sq`` for gradients under about 8e-3, are stored as 0 there;
+            ``'bfloat16'`` keeps float32's range).
         CPUPinn: keep the state tables in pinned host memory instead of GPU memory.
 
     Raises:
@@ -1752,10 +2011,10 @@ class PytorchOptimizerFactory(_OptimizerSwitch):
                  deviceType: Any = "cuda", pinType: bool = False) -> None:
         self._setup_opt(given_optimizer, total_classes, embed_dimension, model,
                         variable_name, dtype)
+        dev = _as_device(deviceType)
         self.dtype = self._dtype
         self.deviceType = deviceType
         self.pinType = pinType
-        dev = torch.device(deviceType)
         self._where = _placement(on_gpu=dev.type == "cuda", pin=bool(pinType),
                                  cupy_named=False, what=type(self).__name__,
                                  gpu_device=dev if dev.type == "cuda" else None)
@@ -1961,10 +2220,16 @@ class DataGadget:
             dataObject = (torch.from_dlpack(dataObject) if hasattr(dataObject, "__dlpack__")
                           else torch.as_tensor(np.asarray(dataObject)))
         n = int(np.prod(shape, dtype=np.int64))
-        if dataObject.numel() != n * store.dim:
+        row_shape = tuple(self._shape[1:])
+        want, flat_want, got = tuple(shape) + row_shape, (n,) + row_shape, tuple(dataObject.shape)
+        if got != want and got != flat_want:
+            # the element count alone is not enough: (3, 4) data for 4 rows of 3 would
+            # be read as other rows (SpeedTorch's CuPy assignment refused it too)
+            alt = "" if want == flat_want else f" or {flat_want}"
             raise StpipeValueError(
-                f"expected data of shape {tuple(shape) + self._shape[1:]} for {n} ids, "
-                f"got {tuple(dataObject.shape)}"
+                f"insertData: expected data of shape {want}{alt} (the ids' shape "
+                f"{tuple(shape)} + the table's row shape {row_shape}), got {got}; "
+                "nothing was written"
             )
         rows = dataObject.reshape(n, store.dim)
         if rows.dtype != store.dtype:
