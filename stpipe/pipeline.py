@@ -1666,15 +1666,10 @@ class Pipeline:
         try:
             self._write_back(step)
         except BaseException:
-            if not step._issued:  # refused by its checks: nothing written, the step failed
-                self._fail(step, run)
-            else:  # pragma: no cover - a failure issuing copies (a CUDA error): no hang at least
-                with self._lock:
-                    self._inflight.pop(f.index, None)
-                if run is not None and not run.closed:
-                    run.free(f.slot)
-                f.slot = -1
-                self.stats["failed"] += 1
+            # refused by its checks: nothing written, the step failed; else a failure
+            # issuing copies (a CUDA error): part may be written, the slot is freed so
+            # that nothing hangs, the scalar state stays
+            self._fail(step, run, restore=not step._issued)
             raise
         if self._profile:
             if self._cuda:
@@ -1689,10 +1684,11 @@ class Pipeline:
         if run is None or run.closed:
             self.synchronize()
 
-    def _fail(self, step: Step, run: Optional[_Run]) -> None:
-        """Leave a step by exception: no write-back, restore scalar optimizer state."""
+    def _fail(self, step: Step, run: Optional[_Run], restore: bool = True) -> None:
+        """Leave a step by exception: no write-back, restore scalar optimizer state
+        (unless ``restore`` is False), give the slot back."""
         f = step._flight
-        for name, emb in self.tables.items():
+        for name, emb in self.tables.items() if restore else ():
             emb.weight.grad = None
             rs = emb.row_state
             if rs is not None and name in step._snaps:
