@@ -781,6 +781,12 @@ def test_custom_init_takes_non_elementwise_functions(make):
     np.testing.assert_array_equal(pf.getNumpyVersion(), np.full((16, 8), 0.25))
     with pytest.raises(StpipeValueError, match="dirac_"):
         pf.customInit(torch.nn.init.dirac_)
+    # the failed fill left no table, not a half-written one (regression: torch.empty rows)
+    from stpipe import StpipeRuntimeError
+    with pytest.raises(StpipeRuntimeError, match="no table yet"):
+        pf.getNumpyVersion()
+    pf.customInit(torch.nn.init.constant_, 0.5)  # and a new init gives one again
+    np.testing.assert_array_equal(pf.getNumpyVersion(), np.full((16, 8), 0.5))
 
 
 def test_api_surface_and_defaults():

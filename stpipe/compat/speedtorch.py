@@ -1285,11 +1285,22 @@ class _TableSwitch:
     def _rows_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def _fresh(self) -> Union[_TensorStore, _HostStore]:
+    def _fresh(self, fill: Callable[[Union[_TensorStore, _HostStore]], None]) -> None:
+        """Replace the table by a new one filled by ``fill(store)``.
+
+        The old table is freed first, so the peak is one table. A fill that raises
+        leaves no table (the half-filled one is freed too): the next use says there is
+        none instead of training on rows that were never written.
+        """
         self._close_store()
-        self._store = _new_store(self.total_classes, self.embed_dimension, self._dtype,
-                                 self._where, self._rows_device())
-        return self._store
+        store = _new_store(self.total_classes, self.embed_dimension, self._dtype,
+                           self._where, self._rows_device())
+        try:
+            fill(store)
+        except BaseException:
+            store.close()
+            raise
+        self._store = store
 
     def _require(self) -> Union[_TensorStore, _HostStore]:
         if self._store is None:
@@ -1329,7 +1340,7 @@ class _TableSwitch:
     # -- initialisers (SpeedTorch names) --------------------------------------------
     def zerosInit(self) -> None:
         """Create the table filled with zeros."""
-        self._fresh().zeros_()
+        self._fresh(lambda st: st.zeros_())
 
     def uniformDistributionInit(self, low: float, high: float) -> None:
         """Create the table with U(low, high) draws (torch's RNG). ``low > high`` draws
@@ -1343,7 +1354,7 @@ class _TableSwitch:
             raise StpipeValueError(
                 f"uniformDistributionInit: expected numbers, got low={low}, high={high}"
             )
-        self._fresh().uniform_(min(lo, hi), max(lo, hi))
+        self._fresh(lambda st: st.uniform_(min(lo, hi), max(lo, hi)))
 
     def normalDistributionInit(self, mean: float, stdDev: float) -> None:
         """Create the table with N(mean, stdDev²) draws (torch's RNG).
@@ -1353,7 +1364,7 @@ class _TableSwitch:
         """
         if not float(stdDev) >= 0:
             raise StpipeValueError(f"normalDistributionInit: expected stdDev >= 0, got {stdDev}")
-        self._fresh().normal_(mean, stdDev)
+        self._fresh(lambda st: st.normal_(mean, stdDev))
 
     def variableTransformer(self, batchSize: int, posPerBatch: int, negPerBatch: Optional[int] = None):
         """Dummy inputs for the model: positions ``0..batchSize*posPerBatch-1`` shaped
@@ -1651,9 +1662,11 @@ class PytorchModelFactory(_ModelSwitch):
 
         Raises:
             ValueError: ``initFunction`` fails on a table of this shape (e.g.
-                ``dirac_``, which takes 3 to 5 dimensions).
+                ``dirac_``, which takes 3 to 5 dimensions). The old table was freed
+                first and no half-filled one is kept: until another init or load, the
+                switcher has no table.
         """
-        self._fresh().init_(initFunction, *args)
+        self._fresh(lambda st: st.init_(initFunction, *args))
 
     def saveTorch(self, saveFileName: PathLike) -> None:
         """``torch.save`` the table as a CPU tensor, atomically."""
@@ -1685,7 +1698,7 @@ class PytorchModelFactory(_ModelSwitch):
                 f"{path}: expected a tensor of shape "
                 f"{(self.total_classes, self.embed_dimension)}, got {got}"
             )
-        self._fresh().copy_from(t.to(self._dtype))
+        self._fresh(lambda st: st.copy_from(t.to(self._dtype)))
 
 
 class GPUPytorchModelFactory(PytorchModelFactory):
