@@ -1266,6 +1266,54 @@ def test_switchers_and_their_tables_are_freed_when_dropped(device):
     assert [r() is None for r in refs] == [True] * len(refs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("when", ["write-back-deferred", "after-gather"])
+def test_dropped_switchers_are_freed_while_the_model_lives(monkeypatch, device, when):
+    """Switchers dropped by the user while the model lives on are freed with their
+    tables: the weight's layout holds the fused gather's stash weakly, and the stash its
+    model switcher weakly (regression: the stash kept the switchers' full tables alive
+    as long as the weight). A model switcher whose weight write-back waits for the
+    optimizer switcher's fused launch can go alone; the optimizer switcher's write-back
+    then writes its own state as usual."""
+    import gc
+    import weakref
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    calls = _force_fusing(monkeypatch, True)
+    model = SkipGram(4, 4 * 5, 8).to(device)
+    sw = SpeedTorch.ModelFactory(model.v_embeddings, 40, 8, CPUPinn=True)
+    sw.uniformDistributionInit(-1, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    osw = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "v_embeddings", CPUPinn=True)
+    osw.optInit()
+    v, neg = np.arange(8).reshape(4, 2), np.arange(8, 20).reshape(4, 3)
+    sw.beforeForwardPass(v, neg)
+    osw.beforeForwardPass(v, neg)
+    assert any(calls), "the fused path never ran"
+    if when == "after-gather":
+        refs = [weakref.ref(x) for x in (sw, osw, sw._store, *osw._tables.values())]
+        del sw, osw
+        gc.collect()
+        assert [r() is None for r in refs] == [True] * len(refs)
+        assert model.v_embeddings.weight.shape == (20, 8)
+        return
+    (model.v_embeddings(torch.arange(20, device=device)) ** 2).sum().backward()
+    opt.step()
+    sw.afterOptimizerStep(v, neg)
+    assert sw._pending is not None  # deferred to the optimizer switcher's launch
+    state = {k: t.detach().cpu().numpy().copy() for k, t in opt.state[model.v_embeddings.weight].items()
+             if t.dim() == 2}
+    refs = [weakref.ref(sw), weakref.ref(sw._store)]
+    del sw
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]
+    osw.afterOptimizerStep(v, neg)
+    tables = osw.getNumpyVersion()
+    for key, want in state.items():
+        np.testing.assert_array_equal(tables[key][:20], want, err_msg=key)
+
+
 @pytest.mark.parametrize("old_kept", [False, True], ids=["old-dropped", "old-kept"])
 def test_second_switcher_on_a_module_takes_over_its_remapping_hook(tmp_path, old_kept):
     """A new model switcher on a module (a new run, a reload) replaces the old one's

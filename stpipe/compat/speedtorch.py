@@ -743,13 +743,28 @@ class _Layout:
         # the unique ids as one IndexBatch shared by every host-table gather and scatter of
         # this batch (model and optimizer switchers): range-checked in O(1), uploaded once
         self._unique_batch = IndexBatch(host=self.unique, is_sorted=True)
-        #: a model switcher's fused gather of its table and its optimizer's state tables
-        self.stash: Optional[_Stash] = None
+        self._stash: Optional[weakref.ref] = None
         #: the id objects last checked against ``ids``, each with its probe (see
         #: :meth:`unchanged`), and the switcher calls made on this layout since it was
         #: made (:func:`_layout_for`)
         self.src: Tuple[Any, Any, Any, Any] = (None, None, None, None)
         self.calls: set = set()
+
+    @property
+    def stash(self) -> Optional["_Stash"]:
+        """A model switcher's fused gather of its table and its optimizer's state tables
+        for these ids (or None).
+
+        Held weakly; the switcher that gathered holds it (``_ModelSwitch._stash``). The
+        layout lives as long as the weight, and switchers the user dropped must not
+        keep their full tables alive through it.
+        """
+        ref = self._stash
+        return ref() if ref is not None else None
+
+    @stash.setter
+    def stash(self, stash: Optional["_Stash"]) -> None:
+        self._stash = weakref.ref(stash) if stash is not None else None
 
     def checked(self, pos: Any, neg: Any, call: Optional[str]) -> None:
         """Note that ``pos``/``neg`` were found to hold this layout's ids, by ``call``.
@@ -944,7 +959,7 @@ class _Stash:
     it owns, when it is called, as without the fusing.
     """
 
-    __slots__ = ("planes", "stores", "versions", "taken", "weight_from", "moves")
+    __slots__ = ("planes", "stores", "versions", "taken", "_weight_from", "moves", "__weakref__")
 
     def __init__(self, planes: torch.Tensor, stores: List["_HostStore"],
                  moves: Optional["_Moves"] = None) -> None:
@@ -954,8 +969,22 @@ class _Stash:
         self.moves = moves
         self.versions = [st.version for st in stores]
         self.taken: Dict[int, torch.Tensor] = {}  # g -> the tensor installed in the state
-        #: the model switcher whose weight write-back waits for the state's (or None)
-        self.weight_from: Optional["_ModelSwitch"] = None
+        self._weight_from: Optional[weakref.ref] = None
+
+    @property
+    def weight_from(self) -> Optional["_ModelSwitch"]:
+        """The model switcher whose weight write-back waits for the state's (or None).
+
+        Held weakly: the layout keeps its stash as long as the weight lives, and a
+        switcher the user dropped with a write-back pending (its table with it) must
+        not live on through it; its rows would go to a table nobody can read.
+        """
+        ref = self._weight_from
+        return ref() if ref is not None else None
+
+    @weight_from.setter
+    def weight_from(self, switch: Optional["_ModelSwitch"]) -> None:
+        self._weight_from = weakref.ref(switch) if switch is not None else None
 
     def defers_weight(self, store: Any, w: torch.Tensor, opt: Optional["_OptimizerSwitch"]) -> bool:
         """Whether the model switcher's write-back of ``w`` (the weight over ``store``)
@@ -1275,6 +1304,8 @@ class _TableSwitch:
     _pending: Optional[Tuple["_Layout", "_Stash"]] = None
     #: a model switcher's prepared fused launches (:class:`_Moves`; set by ``_attach``)
     _moves: Optional["_Moves"] = None
+    #: this switcher's latest fused gather (layouts hold stashes weakly)
+    _stash: Optional[_Stash] = None
 
     def _setup_table(self, total_classes: Any, embed_dimension: Any, datatype: Any) -> None:
         self.total_classes = _check_count("total_classes", total_classes)
@@ -1318,6 +1349,7 @@ class _TableSwitch:
         """Free the table, forgetting a write-back deferred for it (the table is being
         replaced or closed)."""
         self._drop_pending()
+        self._stash = None
         if self._moves is not None:
             self._moves.clear()
         if self._store is not None:
@@ -1539,9 +1571,10 @@ class _ModelSwitch(_TableSwitch):
             # the weight and the optimizer's state rows of the batch in one launch; the
             # optimizer switcher's beforeForwardPass installs the state planes
             planes = lay.gather_planes(stores, w.device, moves)
-            lay.stash = _Stash(planes, stores, moves)
+            self._stash = lay.stash = _Stash(planes, stores, moves)
             rows = planes[0]
         else:
+            self._stash = None
             rows = lay.gather(store, w.device)
         _install(w, rows)
         self._layout = lay
