@@ -97,6 +97,18 @@ def _as_count(name: str, value: Any) -> int:
     return int(value)
 
 
+def _from_numpy_chunk(part: np.ndarray) -> torch.Tensor:
+    """A (possibly memory-mapped) numpy chunk as a new tensor torch can copy from.
+
+    torch takes native byte order only and floats up to float64, so a big-endian chunk
+    is swapped and a ``longdouble`` one narrowed to float64 (the table's dtype is
+    narrower still); other dtypes keep their kind.
+    """
+    dt = part.dtype
+    want = np.dtype(np.float64) if dt.kind == "f" and dt.itemsize > 8 else dt.newbyteorder("=")
+    return torch.from_numpy(np.array(part, dtype=want, copy=True, order="C"))
+
+
 def _resolve_device(device: DeviceLike, cuda: bool) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -524,9 +536,7 @@ class HostTable:
         if isinstance(src, np.ndarray):
             if src.dtype.kind != "f":
                 raise StpipeTypeError(f"expected a float array, got dtype {src.dtype}")
-            # torch takes native byte order and at most float64 (not longdouble)
-            want = np.dtype(np.float64) if src.dtype.itemsize > 8 else src.dtype.newbyteorder("=")
-            get = lambda a, b: torch.from_numpy(np.ascontiguousarray(src[a:b], dtype=want))  # noqa: E731
+            get = lambda a, b: _from_numpy_chunk(src[a:b])  # noqa: E731
         elif isinstance(src, torch.Tensor):
             if not src.is_floating_point():
                 raise StpipeTypeError(f"expected a float tensor, got dtype {src.dtype}")

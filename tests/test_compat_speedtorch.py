@@ -685,20 +685,24 @@ def test_save_load_torch_roundtrip(tmp_path):
         other.loadTorch(str(tmp_path / "bad.pt"))
 
 
+@pytest.mark.parametrize("np_dtype", [">f4", np.longdouble], ids=["big-endian", "longdouble"])
 @pytest.mark.parametrize("cpupinn", [False, True])
-def test_big_endian_npy_files_load(tmp_path, cpupinn):
-    """A big-endian ``.npy`` (``np.save`` of a ``'>f4'`` array) loads with its values
-    (regression: torch's "byte order" ValueError escaped, not an stpipe error)."""
-    data = (np.arange(24).reshape(8, 3) / 7).astype(">f4")
+def test_big_endian_npy_files_load(tmp_path, cpupinn, np_dtype):
+    """A big-endian ``.npy`` (``np.save`` of a ``'>f4'`` array) or a ``longdouble`` one
+    loads with its values (regression: torch's "byte order" ValueError escaped, not an
+    stpipe error; torch has no longdouble)."""
+    data = (np.arange(24).reshape(8, 3) / 7).astype(np_dtype)
     np.save(tmp_path / "be.npy", data)
-    assert np.load(tmp_path / "be.npy").dtype.str == ">f4"
+    assert np.load(tmp_path / "be.npy").dtype == np.dtype(np_dtype)
     mf = SpeedTorch.ModelFactory(torch.nn.Embedding(2, 3), 8, 3, CPUPinn=cpupinn)
     mf.loadCupy(tmp_path / "be.npy")
     np.testing.assert_array_equal(mf.getNumpyVersion(), data.astype(np.float32))
     g = SpeedTorch.DataGadget(str(tmp_path / "be.npy"), CPUPinn=cpupinn)
-    g.gadgetInit()
-    np.testing.assert_array_equal(g.getNumpyVersion(), data.astype(np.float32))
-    np.testing.assert_array_equal(g.getData([5, 1]).cpu().numpy(), data[[5, 1]].astype(np.float32))
+    g.gadgetInit()  # a gadget keeps the file's dtype: float32, or float64 for longdouble
+    kept = data.astype(np.float32 if np_dtype == ">f4" else np.float64)
+    assert g.getNumpyVersion().dtype == kept.dtype
+    np.testing.assert_array_equal(g.getNumpyVersion(), kept)
+    np.testing.assert_array_equal(g.getData([5, 1]).cpu().numpy(), kept[[5, 1]])
 
 
 def test_bad_files_and_arguments_raise_stpipe_errors(tmp_path):

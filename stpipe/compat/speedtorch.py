@@ -553,14 +553,15 @@ def _copy_chunked(dst: torch.Tensor, src: Union[np.ndarray, torch.Tensor],
     """``dst.copy_(src)`` in row chunks (``src`` may be a memory-mapped array)."""
     if tuple(src.shape) != tuple(dst.shape):
         raise StpipeValueError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    from ..host import _from_numpy_chunk  # byte order and longdouble, as HostTable.copy_from
+
     row = max(1, int(np.prod(dst.shape[1:], dtype=np.int64)) * dst.element_size())
     per = max(1, chunk_bytes // row)
     with torch.no_grad():
         for a in range(0, int(dst.shape[0]), per):
             part = src[a:a + per]
-            if isinstance(part, np.ndarray):  # torch takes native byte order only
-                part = torch.from_numpy(np.array(part, dtype=part.dtype.newbyteorder("="),
-                                                 copy=True, order="C"))
+            if isinstance(part, np.ndarray):
+                part = _from_numpy_chunk(part)
             dst[a:a + per].copy_(part)
 
 
@@ -671,8 +672,10 @@ def _load_store(path: PathLike, where: _Placement, device: torch.device,
             "(total_classes, embed_dimension)"
         )
     flat = arr.reshape(shape[0], -1) if arr.ndim != 2 else arr
-    try:  # (a big-endian file is read in native byte order, chunk by chunk)
-        file_dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype.newbyteorder("="))).dtype
+    from ..host import _from_numpy_chunk
+
+    try:  # (a big-endian file is read in native byte order, a longdouble one as float64)
+        file_dtype = _from_numpy_chunk(np.empty(0, dtype=arr.dtype)).dtype
     except (TypeError, ValueError):
         raise StpipeTypeError(
             f"{os.fspath(path)}: expected a float (or integer) .npy array, got dtype {arr.dtype}"
