@@ -78,7 +78,7 @@ from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from ._io import fsync_folder
+from ._io import NpyHeaderError, fsync_folder, read_npy_header
 from ._errors import StpipeRuntimeError, StpipeTypeError, StpipeValueError
 
 __all__ = ["save", "load", "state_dict", "load_state_dict", "read_manifest", "FORMAT", "VERSION"]
@@ -394,18 +394,11 @@ class _FileRef:
         except FileNotFoundError:
             raise StpipeValueError(f"{self.path}: file missing; the checkpoint is incomplete") from None
         try:
-            fmt = np.lib.format
             try:
-                version = fmt.read_magic(f)
-                if version == (1, 0):
-                    shape, fortran, dt = fmt.read_array_header_1_0(f)
-                elif version == (2, 0):
-                    shape, fortran, dt = fmt.read_array_header_2_0(f)
-                else:
-                    raise ValueError(f"format version {version}")
-            except Exception as exc:  # numpy versions differ in what a bad header raises
+                shape, fortran, dt, offset = read_npy_header(f)
+            except NpyHeaderError as exc:
                 raise StpipeValueError(
-                    f"{self.path}: not a valid .npy file ({type(exc).__name__}: {exc}); the checkpoint is corrupted"
+                    f"{self.path}: not a valid .npy file ({exc}); the checkpoint is corrupted"
                 ) from None
             if dt.hasobject:
                 raise StpipeValueError(
@@ -421,7 +414,7 @@ class _FileRef:
                 raise StpipeValueError(f"{self.path}: shape {tuple(shape)} does not match the manifest's {self.shape}")
             if fortran and len(shape) > 1 and min(shape) > 1:
                 raise StpipeValueError(f"{self.path}: fortran order; expected C order")
-            self.offset = f.tell()
+            self.offset = offset
             size = os.fstat(f.fileno()).st_size
         except BaseException:
             f.close()

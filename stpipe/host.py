@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from . import _cuda
-from ._io import atomic_write
+from ._io import NpyHeaderError, atomic_write, read_npy_header
 from ._errors import (
     BackendUnavailableError,
     StpipeRuntimeError,
@@ -1203,27 +1203,14 @@ def _check_unique(batch: IndexBatch, num_rows: int) -> None:
 
 
 def _read_header(f: Any, path: str) -> Tuple[Tuple[int, int], torch.dtype, int]:
-    fmt = np.lib.format
     try:
-        version = fmt.read_magic(f)
-    except ValueError as exc:
-        raise StpipeValueError(f"{path} is not a .npy file: {exc}") from None
-    try:
-        if version == (1, 0):
-            shape, fortran, dt = fmt.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran, dt = fmt.read_array_header_2_0(f)
-        else:
-            raise StpipeValueError(
-                f"{path}: .npy format version {version} not supported; expected 1.0 or 2.0"
-            )
-    except StpipeValueError:
-        raise
-    except Exception as exc:  # numpy versions differ in what a bad header raises
-        raise StpipeValueError(
-            f"{path}: corrupted .npy header ({type(exc).__name__}: {exc})"
-        ) from None
-    offset = f.tell()
+        shape, fortran, dt, offset = read_npy_header(f)
+    except NpyHeaderError as exc:
+        if exc.kind == "magic":
+            raise StpipeValueError(f"{path} is not a .npy file: {exc}") from None
+        if exc.kind == "version":
+            raise StpipeValueError(f"{path}: .npy {exc}") from None
+        raise StpipeValueError(f"{path}: corrupted .npy header ({exc})") from None
     if dt.hasobject:
         raise StpipeTypeError(
             f"{path} holds Python objects, which need unpickling; stpipe refuses pickled "

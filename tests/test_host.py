@@ -276,6 +276,7 @@ def _write(path, data: bytes):
         ("extra", ValueError, "does not match its header"),
         ("not-npy", ValueError, "not a .npy file"),
         ("bad-header", ValueError, "header"),
+        ("version-3", ValueError, r"version \(3, 0\) not supported"),
         ("float64", TypeError, "<f4"),
         ("int32", TypeError, "<f4"),
         ("big-endian", TypeError, "<f4"),
@@ -299,6 +300,11 @@ def test_load_refuses_bad_files(tmp_path, kind, exc, match):
         np.save(path, good)
         raw = bytearray(path.read_bytes())
         raw[12:20] = b"@@@@@@@@"
+        _write(path, bytes(raw))
+    elif kind == "version-3":
+        np.save(path, good)
+        raw = bytearray(path.read_bytes())
+        raw[6] = 3  # the major version byte after b"\x93NUMPY"
         _write(path, bytes(raw))
     elif kind == "object":
         np.save(path, np.array([[{"x": 1}, None]], dtype=object), allow_pickle=True)

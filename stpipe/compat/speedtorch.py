@@ -634,13 +634,11 @@ def _open_npy(path: PathLike) -> np.ndarray:
 
 def _npy_damage(path: str, exc: BaseException) -> str:
     """What is wrong with a ``.npy`` file that ``np.load`` could not map (for a message)."""
-    fmt = np.lib.format
+    from .._io import read_npy_header
+
     try:
         with open(path, "rb") as f:
-            version = fmt.read_magic(f)
-            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            shape, _, dtype = read(f)
-            offset = f.tell()
+            shape, _, dtype, offset = read_npy_header(f)
         need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         have = os.path.getsize(path) - offset
     except Exception as why:  # a header that does not parse
