@@ -1248,6 +1248,21 @@ def test_fused_state_moves_bit_identical_to_unfused(monkeypatch, device, opt_nam
         np.testing.assert_array_equal(fused[key], plain[key], err_msg=key)
 
 
+def _gathered_pair(device):
+    """A skip-gram model's ``v`` table (40 x 8, pinned) and its Adam state, switched in
+    for one batch: ``(model, model switcher, optimizer, optimizer switcher, (v, neg))``."""
+    model = SkipGram(4, 4 * 5, 8).to(device)
+    sw = SpeedTorch.ModelFactory(model.v_embeddings, 40, 8, CPUPinn=True)
+    sw.uniformDistributionInit(-1, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    osw = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "v_embeddings", CPUPinn=True)
+    osw.optInit()
+    v, neg = np.arange(8).reshape(4, 2), np.arange(8, 20).reshape(4, 3)
+    sw.beforeForwardPass(v, neg)
+    osw.beforeForwardPass(v, neg)
+    return model, sw, opt, osw, (v, neg)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_switchers_and_their_tables_are_freed_when_dropped(device):
     """Nothing in the compat layer keeps a dropped model, its switchers or their tables
@@ -1255,15 +1270,7 @@ def test_switchers_and_their_tables_are_freed_when_dropped(device):
     import gc
     import weakref
 
-    model = SkipGram(4, 4 * 5, 8).to(device)
-    sw = SpeedTorch.ModelFactory(model.v_embeddings, 40, 8, CPUPinn=True)
-    sw.zerosInit()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    osw = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "v_embeddings", CPUPinn=True)
-    osw.optInit()
-    v, neg = np.arange(8).reshape(4, 2), np.arange(8, 20).reshape(4, 3)
-    sw.beforeForwardPass(v, neg)
-    osw.beforeForwardPass(v, neg)
+    model, sw, opt, osw, (v, neg) = _gathered_pair(device)
     refs = [weakref.ref(x) for x in (sw, osw, sw._store, *osw._tables.values(), model)]
     del model, sw, osw, opt
     gc.collect()
@@ -1285,15 +1292,7 @@ def test_dropped_switchers_are_freed_while_the_model_lives(monkeypatch, device, 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     calls = _force_fusing(monkeypatch, True)
-    model = SkipGram(4, 4 * 5, 8).to(device)
-    sw = SpeedTorch.ModelFactory(model.v_embeddings, 40, 8, CPUPinn=True)
-    sw.uniformDistributionInit(-1, 1)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    osw = SpeedTorch.OptimizerFactory(opt, 40, 8, model, "v_embeddings", CPUPinn=True)
-    osw.optInit()
-    v, neg = np.arange(8).reshape(4, 2), np.arange(8, 20).reshape(4, 3)
-    sw.beforeForwardPass(v, neg)
-    osw.beforeForwardPass(v, neg)
+    model, sw, opt, osw, (v, neg) = _gathered_pair(device)
     assert any(calls), "the fused path never ran"
     if when == "after-gather":
         refs = [weakref.ref(x) for x in (sw, osw, sw._store, *osw._tables.values())]
