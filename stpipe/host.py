@@ -98,14 +98,18 @@ def _as_count(name: str, value: Any) -> int:
 
 
 def _from_numpy_chunk(part: np.ndarray) -> torch.Tensor:
-    """A (possibly memory-mapped) numpy chunk as a new tensor torch can copy from.
+    """A (possibly memory-mapped) numpy chunk as a tensor torch can copy from.
 
     torch takes native byte order only and floats up to float64, so a big-endian chunk
     is swapped and a ``longdouble`` one narrowed to float64 (the table's dtype is
-    narrower still); other dtypes keep their kind.
+    narrower still); other dtypes keep their kind. A chunk torch can take as it is
+    (contiguous, writable) is wrapped without a copy; a read-only one (a memory-mapped
+    file's) is copied, as ``torch.from_numpy`` warns on those.
     """
     dt = part.dtype
     want = np.dtype(np.float64) if dt.kind == "f" and dt.itemsize > 8 else dt.newbyteorder("=")
+    if dt == want and part.flags.c_contiguous and part.flags.writeable:
+        return torch.from_numpy(part)
     return torch.from_numpy(np.array(part, dtype=want, copy=True, order="C"))
 
 
