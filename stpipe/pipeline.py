@@ -1678,6 +1678,8 @@ class Pipeline:
             step.record.update(compute_ms=(t1 - step._t_enter) * 1e3, writeback_ms=(t2 - t1) * 1e3)
             self.profile.append(step.record)
         self.stats["steps"] += 1
+        for emb in self.tables.values():
+            _set_idle(emb.weight)
         if run is not None and not run.closed:
             run.free(f.slot)
         f.slot = -1
@@ -1689,10 +1691,11 @@ class Pipeline:
         (unless ``restore`` is False), give the slot back."""
         f = step._flight
         for name, emb in self.tables.items() if restore else ():
-            emb.weight.grad = None
             rs = emb.row_state
             if rs is not None and name in step._snaps:
                 rs.restore(step._snaps[name])
+        for emb in self.tables.values():
+            _set_idle(emb.weight)
         with self._lock:
             if self._cuda:
                 done = torch.cuda.Event()
@@ -1948,6 +1951,22 @@ def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:
     param.data = view
 
 
+def _set_idle(param: torch.Tensor) -> None:
+    """Make ``param`` the idle working parameter ``(0, dim)`` without a gradient.
+
+    What it is between steps. The slot its rows viewed goes to a later batch once the
+    step is over; an ``optimizer.step()`` after the step's exit (a gradient-accumulation
+    loop stepping outside ``with step:``) then finds no gradient and changes nothing,
+    at every depth, instead of updating that batch's freshly gathered rows.
+    """
+    param.grad = None
+    key = (param.dtype, param.device, int(param.shape[-1]))
+    empty = _IDLE.get(key)
+    if empty is None:
+        empty = _IDLE.setdefault(key, torch.empty(0, key[2], dtype=key[0], device=key[1]))
+    param.data = empty
+
+
 def _other_empty(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor on ``t``'s device of a dtype other than ``t``'s (cached): what
     ``param.data`` passes through to drop autograd's cached gradient accumulator."""
@@ -1961,6 +1980,8 @@ def _other_empty(t: torch.Tensor) -> torch.Tensor:
 
 #: one empty tensor of another dtype per (dtype, device), for :func:`_other_empty`
 _EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+#: see :func:`_set_idle`
+_IDLE: Dict[Tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
 
 class _Stopped(Exception):

@@ -1118,3 +1118,27 @@ def test_paired_launches_keep_order_and_arguments(pair_on):
         assert calls == [(n, args + tail) for n, args in zip("abcde", (i[1] for i in items))]
         assert made == []
     pipe.close()
+
+
+@DEPTHS
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+def test_optimizer_step_after_the_exit_changes_nothing(depth, opt_name):
+    """An ``opt.step()`` after ``with step:`` (a gradient-accumulation loop stepping
+    outside the step) is dropped, as the README says, at every depth: outside a step the
+    working parameter is ``(0, dim)`` without a gradient (regression: it still viewed the
+    freed slot, which at depth >= 1 the prefetch thread refills with a later batch's
+    rows, and the late step updated those)."""
+    batches = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6]), torch.tensor([7, 8])]
+    emb = HostEmbedding(10, 4, device="cpu", generator=torch.Generator().manual_seed(0))
+    before = emb.table.tensor().clone()
+    make = {"SGD": lambda p: torch.optim.SGD(p, lr=1.0), "Adam": lambda p: torch.optim.Adam(p, lr=0.5)}
+    opt = make[opt_name](emb.parameters())
+    with Pipeline(emb, optimizer=opt, depth=depth) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                emb(step.ids).sum().backward()
+            assert tuple(emb.weight.shape) == (0, 4) and emb.weight.grad is None
+            time.sleep(0.05)  # at depth >= 1 the prefetch thread refills the freed slot
+            opt.step()
+            opt.zero_grad()
+    assert torch.equal(emb.table.tensor(), before)
