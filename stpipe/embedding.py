@@ -43,11 +43,29 @@ _INITS = ("normal", "uniform", "zeros", "none")
 
 @dataclass
 class _Part:
-    """One ids object of a step for this table: its slice of the step's inverse."""
+    """One ids object of a step for this table: its slice of the step's inverse.
+
+    A lookup given the very ``ids`` (or ``alias``) object, unedited since the plan (a
+    tensor's version counter), takes ``inverse``; one whose values were edited in place
+    since (masking ``ids[m] = MASK``) is located anew, as any other ids.
+    """
 
     ids: Any
     inverse: torch.Tensor  # int32 (or int64) on the device, the ids' shape
     alias: Any = None  # the ids' copy in the step's moved batch (step.batch), if any
+    version: int = -1  # ids._version when staged (-1: not a tensor)
+    alias_version: int = -1
+
+
+def _version(x: Any) -> int:
+    """``x._version`` for a tensor (its in-place edit counter), else -1 (numpy arrays,
+    lists and inference tensors have none)."""
+    if isinstance(x, torch.Tensor):
+        try:
+            return x._version
+        except RuntimeError:  # an inference tensor
+            return -1
+    return -1
 
 
 @dataclass
@@ -327,7 +345,9 @@ class HostEmbedding(nn.Module):
         if b.on_lookup is not None:
             b.on_lookup()
         for part in b.parts:
-            if part.ids is ids or (part.alias is not None and part.alias is ids):
+            if ((part.ids is ids and _version(ids) == part.version)
+                    or (part.alias is ids and part.alias is not None
+                        and _version(ids) == part.alias_version)):
                 # F.embedding without its Python checks (no padding_idx, no max_norm)
                 out = torch.embedding(self.weight, part.inverse)
                 if b.outputs is not None and out.requires_grad:
@@ -336,7 +356,17 @@ class HostEmbedding(nn.Module):
                         b.outputs_room -= n
                         b.outputs.append(out.view_as(out))
                 return out
-        return F.embedding(self._locate(b, ids), self.weight)
+        try:
+            pos = self._locate(b, ids)
+        except StpipeValueError as exc:
+            if any(part.ids is ids or (part.alias is not None and part.alias is ids) for part in b.parts):
+                raise StpipeValueError(
+                    f"{exc}. These ids were edited in place after the pipeline planned them: "
+                    "edit a batch before it reaches the pipeline (in a collate_fn, or a map "
+                    "over the loader), so that the step gathers the rows it uses"
+                ) from None
+            raise
+        return F.embedding(pos, self.weight)
 
     def _locate(self, b: _Binding, ids: Any) -> torch.Tensor:
         """Positions of ``ids`` among the step's unique rows (synchronises once)."""

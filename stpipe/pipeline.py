@@ -127,7 +127,7 @@ import numpy as np
 import torch
 
 from ._errors import StpipeIndexError, StpipeRuntimeError, StpipeTypeError, StpipeValueError
-from .embedding import HostEmbedding, _Binding, _Part
+from .embedding import HostEmbedding, _Binding, _Part, _version
 from ._cuda import compiled_calls, driver_calls
 from ._staging import _UNFLATTEN, RING_BYTES, _Ring, _as_numpy, _pack_compiled, _template, _torch_dtype, _views
 from ._staging import upload as _upload
@@ -1511,7 +1511,8 @@ class Pipeline:
             tf.views = self._slots[name].views(flight.slot, tf.k, tf.keys)
             if hold is not None:
                 tf.holds = [hold(inv) for inv in tf.part_inverse]
-            tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a)
+            tf.binding = _Binding(parts=[_Part(ids=x, inverse=inv, alias=a, version=_version(x),
+                                               alias_version=_version(a))
                                          for x, inv, a in zip(tf.parts, tf.part_inverse,
                                                               tf.aliases or [None] * len(tf.parts))],
                                   unique=tf.plan.unique, on_lookup=opened,

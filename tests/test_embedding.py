@@ -179,3 +179,37 @@ def test_scalar_ids_give_one_row_like_nn_embedding(depth):
                 a, b = step.ids
                 assert emb(a).shape == (DIM,) and emb(b).shape == (1, 2, DIM)
                 assert torch.equal(emb(a), ref.weight.detach()[3])
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_ids_edited_in_place_inside_a_step_are_looked_up_anew(depth):
+    """``step.ids`` edited in place before the lookup (masking ``ids[m] = MASK``) gives
+    the rows of the ids as they are now, with their gradients, when the step gathered
+    those rows, and stpipe's error naming the edit when it did not (regression: the
+    plan's inverse of the old values was taken, silently giving the old rows)."""
+    from stpipe import StpipeValueError
+    from stpipe.pipeline import Pipeline
+
+    emb = HostEmbedding(10, 4, device="cpu", generator=torch.Generator().manual_seed(0))
+    table = emb.table.tensor().clone()
+    opt = torch.optim.SGD(emb.parameters(), lr=1.0)
+    batches = [torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[1, 2, 3], [4, 5, 6]])]
+    with Pipeline(emb, optimizer=opt, depth=depth) as pipe:
+        for i, step in enumerate(pipe.run(batches)):
+            with step:
+                ids = step.ids
+                if i == 0:
+                    ids[:, 1] = 6  # among the step's rows: looked up as it is now
+                    out = emb(ids)
+                    assert torch.equal(out.detach(), table[ids])
+                    out.sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    ids[0, 0] = 9  # not among them: an error that names the edit
+                    with pytest.raises(StpipeValueError, match="edited in place"):
+                        emb(ids)
+    want = table.clone()
+    for r, n in ((1, 1), (3, 1), (4, 1), (6, 3)):  # each use of a row subtracts 1 (lr 1)
+        want[r] -= n
+    assert torch.equal(emb.table.tensor(), want)

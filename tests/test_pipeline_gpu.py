@@ -291,13 +291,21 @@ def _lean_batches(n=24, with_bf16=False):
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
 @pytest.mark.parametrize("with_bf16", [False, True])
-def test_gpu_lean_upload_equals_general(cuda_device, depth, with_bf16):
+def test_gpu_lean_upload_equals_general(cuda_device, depth, with_bf16, monkeypatch):
     """The issue's lean upload (one device buffer, views by one call per dtype, the
     pipeline's own ring, `ready` as the batch's event) against the general path: the same
     moved batch (values, dtypes, shapes, aliasing), the same tables and state; the lean
     path is taken unless the batch holds a tensor numpy cannot (bfloat16) or
-    :mod:`stpipe._calls` is not built (a tree run without installing: the general path)."""
+    :mod:`stpipe._calls` is not built (a tree run without installing: the general path).
+    Every lookup of ``step.ids`` takes the plan's inverse on both paths: the moved ids'
+    version counters are those the pipeline staged (no in-place write after it)."""
     from stpipe._cuda import driver_calls
+    from stpipe.embedding import HostEmbedding
+
+    def no_locate(self, b, ids):
+        raise AssertionError("a lookup of the step's own ids was located anew")
+
+    monkeypatch.setattr(HostEmbedding, "_locate", no_locate)
 
     data = _lean_batches(with_bf16=with_bf16)
 
