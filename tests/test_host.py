@@ -614,3 +614,23 @@ def test_fused_move_launches_are_reused_per_geometry(monkeypatch):
     del b, m1, m2
     gc.collect()
     assert ref() is None  # the cache holds tables weakly
+
+
+def test_pickle_and_deepcopy_are_refused_with_what_to_use_instead():
+    """A table (and a model holding a HostEmbedding) is not pickled, deep-copied or
+    torch.save-d: stpipe's TypeError names table.save and checkpoints (regression:
+    Python's "cannot pickle '_thread.lock' object")."""
+    import copy
+    import io
+    import pickle
+
+    from stpipe import StpipeTypeError
+    from stpipe.embedding import HostEmbedding
+
+    table = HostTable(4, 3, **CPU)
+    model = torch.nn.Sequential(HostEmbedding(table=table, device="cpu"), torch.nn.Linear(3, 1))
+    for make in (lambda: pickle.dumps(table), lambda: copy.deepcopy(table),
+                 lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(StpipeTypeError, match="table.save"):
+            make()
+    assert not table.closed and table.num_rows == 4  # the original is untouched
