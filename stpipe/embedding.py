@@ -409,6 +409,16 @@ class HostEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
+        # nn.Module's loading (buffers, load pre-hooks, strict key checks) for all but
+        # the working rows, which are transient and never in a state_dict; a "weight"
+        # given (an nn.Embedding's checkpoint) is unexpected: the table is not loaded
+        # from a state_dict (emb.table.copy_from, emb.load_checkpoint do that)
         key = prefix + "weight"
-        if key in state_dict:
+        given = key in state_dict
+        rest = {k: v for k, v in state_dict.items() if k != key} if given else state_dict
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        if key in missing_keys:
+            missing_keys.remove(key)
+        if given:  # (torch passes strict=True to every module and filters after)
             unexpected_keys.append(key)

@@ -134,6 +134,38 @@ def test_state_dict_excludes_the_table():
     assert set(model.state_dict()) == {"1.weight", "1.bias"}
 
 
+def test_load_state_dict_keeps_nn_modules_rules():
+    """Loading follows nn.Module's rules but for the transient weight (regression: the
+    override skipped them): a subclass's buffer loads, a missing buffer or an unknown key
+    under the module's prefix fails a strict load, load pre-hooks run; an nn.Embedding
+    checkpoint's ``weight`` is an unexpected key (the table loads by
+    ``emb.table.copy_from``), failing a strict load."""
+
+    class Scaled(HostEmbedding):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.register_buffer("scale", torch.ones(1))
+
+    src, dst = Scaled(20, DIM, device="cpu"), Scaled(20, DIM, device="cpu")
+    src.scale.fill_(2.0)
+    seen = []
+    dst._register_load_state_dict_pre_hook(lambda *a, **k: seen.append(1))
+    assert set(src.state_dict()) == {"scale"}
+    dst.load_state_dict(src.state_dict())
+    assert float(dst.scale) == 2.0 and seen == [1]
+    with pytest.raises(RuntimeError, match="Missing key.*scale"):
+        dst.load_state_dict({})
+    model = torch.nn.Sequential(make(), torch.nn.Linear(DIM, 2))
+    with pytest.raises(RuntimeError, match="Unexpected key.*0.wieght"):
+        model.load_state_dict({**model.state_dict(), "0.wieght": torch.zeros(1)})
+    other = torch.nn.Sequential(torch.nn.Embedding(20, DIM), torch.nn.Linear(DIM, 2)).state_dict()
+    with pytest.raises(RuntimeError, match=r"Unexpected key.*0\.weight"):
+        model.load_state_dict(other)
+    result = model.load_state_dict(other, strict=False)
+    assert result.unexpected_keys == ["0.weight"] and result.missing_keys == []
+    assert torch.equal(model[1].weight, other["1.weight"])
+
+
 def test_capacity_hint_and_growth():
     emb = make(capacity=64)
     with Pipeline(emb, depth=1) as pipe:
