@@ -206,6 +206,29 @@ class HostEmbedding(nn.Module):
         """The :class:`~stpipe.optim.RowState` of the optimizer bound by a pipeline."""
         return self._row_state
 
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "HostEmbedding":
+        """``module.to()``, ``.cuda()``, ``.half()``, ...: a no-op for this module's dtype
+        and device, refused for another.
+
+        The table's dtype and the device its rows go to are fixed at construction (the
+        host table, its pinning and the pipeline's staging follow them); converting only
+        the working parameter left lookups in the old dtype and device.
+
+        Raises:
+            StpipeTypeError: a conversion to another dtype or device (say which; build
+                the embedding with ``dtype=`` / ``device=`` instead).
+        """
+        probe = torch.empty(0, self.embedding_dim, dtype=self.dtype, device=self.device)
+        got = fn(probe)
+        if isinstance(got, torch.Tensor) and (got.dtype != self.dtype or got.device != self.device):
+            raise StpipeTypeError(
+                f"HostEmbedding holds {self.dtype} rows that go to {self.device}; a module "
+                f"conversion to {got.dtype} on {got.device} (model.to(), .cuda(), .half(), "
+                "...) would change only its working rows. Build it with dtype= and device= "
+                "as wanted, and convert the other layers alone (e.g. model.head.half())"
+            )
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
         return (f"{self.num_rows}, {self.embedding_dim}, dtype={self.dtype}, device={self.device}, "
                 f"pinned={getattr(self.table, 'pinned', False)}")

@@ -245,3 +245,21 @@ def test_ids_edited_in_place_inside_a_step_are_looked_up_anew(depth):
     for r, n in ((1, 1), (3, 1), (4, 1), (6, 3)):  # each use of a row subtracts 1 (lr 1)
         want[r] -= n
     assert torch.equal(emb.table.tensor(), want)
+
+
+def test_module_conversions_to_another_dtype_or_device_are_refused():
+    """``model.half()``, ``.double()``, ``.to(dtype)``, ``.to(device)`` with a
+    HostEmbedding inside raise stpipe's TypeError naming dtype=/device= (regression:
+    only the working parameter was converted; lookups kept the table's dtype and
+    device); conversions to its own dtype and device are no-ops."""
+    from stpipe import StpipeTypeError
+
+    emb = make()
+    model = torch.nn.Sequential(emb, torch.nn.Linear(DIM, 2))
+    for convert in (lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.bfloat16),
+                    lambda m: m.to("meta")):
+        with pytest.raises(StpipeTypeError, match="dtype= and device="):
+            convert(model)
+        assert emb.weight.dtype == emb.dtype == torch.float32 and emb.weight.device.type == "cpu"
+    assert model.float() is model and model.to("cpu", torch.float32) is model
+    assert emb(torch.tensor([1, 2])).dtype == torch.float32
