@@ -247,7 +247,8 @@ class RowState:
     Raises:
         StpipeTypeError, StpipeValueError: see :func:`find_group`.
         StpipeTypeError: ``optimizer`` is a ``torch.optim.SparseAdam``, which takes sparse
-            gradients only; the working parameter's gradient is dense (use ``Adam``).
+            gradients only; the working parameter's gradient is dense (use ``Adam``); or a
+            ``torch.optim.LBFGS``, whose state is one flat vector over all its parameters.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, param: torch.Tensor,
@@ -260,6 +261,15 @@ class RowState:
                 "gradients only, and the working rows' gradient is dense (the step's unique "
                 "rows); expected a dense optimizer such as torch.optim.Adam, which stpipe "
                 "applies to those rows alone, got SparseAdam"
+            )
+        if isinstance(optimizer, torch.optim.LBFGS):
+            # its state is one flat vector over all its parameters, kept under the first
+            # one: with a dense layer first, stpipe would never see it
+            raise StpipeTypeError(
+                "a HostEmbedding cannot be trained by torch.optim.LBFGS: it keeps one flat "
+                "state over all its parameters ('d', 'prev_flat_grad', 'old_dirs', ...), "
+                "which cannot be split by row; expected an optimizer with per-parameter "
+                "state such as torch.optim.Adam, got LBFGS"
             )
         self.optimizer = optimizer
         self.param = param

@@ -789,17 +789,20 @@ class Pipeline:
         if not self._optimizers:
             return
         for name, emb in self.tables.items():
-            owner = None
-            for opt in self._optimizers:
-                if any(p is emb.weight for g in opt.param_groups for p in g["params"]):
-                    owner = opt
-                    break
-            if owner is None:
+            owners = [i for i, opt in enumerate(self._optimizers)
+                      if any(p is emb.weight for g in opt.param_groups for p in g["params"])]
+            if not owners:
                 raise StpipeValueError(
                     f"the weight of table {name!r} is in none of the given optimizers; pass "
                     "every optimizer that trains a table (its per-row state must travel with the rows)"
                 )
-            emb.bind_optimizer(owner)
+            if len(owners) > 1:
+                raise StpipeValueError(
+                    f"the weight of table {name!r} is in optimizers {owners} of the given "
+                    "list; expected one optimizer per table (stpipe moves one optimizer's "
+                    "per-row state with the rows)"
+                )
+            emb.bind_optimizer(self._optimizers[owners[0]])
 
     def _make_ids_fn(self, ids: Any) -> Callable[[Any], Dict[Any, Any]]:
         names = list(self.tables)
@@ -1577,6 +1580,20 @@ class Pipeline:
                 "ended) before it was entered, so its rows are gone; enter each step "
                 "(`with step:`) before taking the next"
             )
+        for name, emb in self.tables.items():
+            rs = emb.row_state
+            # scalar state gone (Adam's `step`): the optimizer would fail on the per-row
+            # views alone (an optimizer without scalar state, e.g. SGD's momentum, has
+            # none after a checkpoint's load, and reads its per-row state as usual)
+            if rs is not None and rs.discovered and rs.scalar_keys and not rs.optimizer.state.get(emb.weight):
+                raise StpipeRuntimeError(
+                    f"{type(rs.optimizer).__name__} holds no state for table {name!r} any "
+                    "more (optimizer.state was cleared, or optimizer.load_state_dict gave "
+                    "it none); its per-row state lives in host tables, which stpipe moves "
+                    "with the rows: restore a run with pipe.load_checkpoint / "
+                    "emb.load_checkpoint, or start afresh with a new Pipeline, optimizer "
+                    f"and tables; step {step.index} was not entered"
+                )
         t0 = time.perf_counter()
         cs = self._copy_stream
         compute = current_stream(self.device) if self._cuda else None

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from stpipe import StpipeTypeError, StpipeValueError
+from stpipe import StpipeRuntimeError, StpipeTypeError, StpipeValueError
 from stpipe.embedding import HostEmbedding
 from stpipe.optim import RowState, find_group, fresh_row_state, split_state
 from stpipe.pipeline import Pipeline
@@ -296,6 +296,52 @@ def test_sparse_adam_on_a_table_is_refused_at_construction():
         Pipeline(emb, optimizer=opt)
     with pytest.raises(StpipeTypeError, match="SparseAdam"):
         emb.bind_optimizer(opt)
+
+
+def test_lbfgs_and_a_table_in_two_optimizers_are_refused_at_construction():
+    """LBFGS keeps one flat state over all its parameters, under the first (regression:
+    with a dense layer first it was accepted and mixed rows' curvature history); a
+    table's weight in two of the given optimizers is refused (regression: only the
+    first one's state travelled with the rows, the other's stayed by position)."""
+    emb = HostEmbedding(num_rows=16, dim=4)
+    head = torch.nn.Linear(4, 1)
+    lbfgs = torch.optim.LBFGS([*head.parameters(), emb.weight], lr=0.1)
+    with pytest.raises(StpipeTypeError, match=r"LBFGS.*'d'.*split by row.*got LBFGS"):
+        Pipeline(emb, optimizer=lbfgs)
+    a, b = torch.optim.Adam(emb.parameters()), torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(StpipeValueError, match=r"in optimizers \[0, 1\].*one optimizer per table"):
+        Pipeline(emb, optimizer=[a, b])
+    Pipeline(emb, optimizer=[torch.optim.SGD(head.parameters(), lr=0.1), a]).close()  # one each: fine
+
+
+@pytest.mark.parametrize("reset", ["clear", "load_fresh"])
+def test_optimizer_state_reset_mid_run_is_a_clear_error(reset):
+    """``optimizer.state.clear()`` or loading a fresh optimizer's ``state_dict`` mid-run
+    leaves the pipeline's host state tables without the optimizer's scalar state: the
+    next step is refused at entry with stpipe's error naming the checkpoint loads
+    (regression: Adam's own ``KeyError: 'step'`` at the next ``opt.step()``), and the
+    tables are as the last step left them."""
+    emb = HostEmbedding(num_rows=16, dim=4, device="cpu")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    fresh = torch.optim.Adam(HostEmbedding(num_rows=16, dim=4, device="cpu").parameters()).state_dict()
+    batches = [torch.tensor([0, 1, 2]), torch.tensor([3, 4]), torch.tensor([5])]
+    with Pipeline(emb, optimizer=opt) as pipe:
+        for step in pipe.run(batches):
+            if step.index == 1:
+                if reset == "clear":
+                    opt.state.clear()
+                else:
+                    opt.load_state_dict(fresh)
+                table = emb.table.tensor().clone()
+                with pytest.raises(StpipeRuntimeError, match="holds no state.*load_checkpoint.*step 1 was not entered"):
+                    with step:
+                        pass
+                assert torch.equal(emb.table.tensor(), table)
+                break
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
 
 
 def test_sparse_adam_on_another_parameter_is_accepted():
