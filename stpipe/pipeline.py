@@ -119,6 +119,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -634,7 +635,10 @@ class Pipeline:
             ``0..n-1``).
         optimizer: the ``torch.optim`` optimizer (or a list of them) that trains the
             tables' weights; their per-row state is offloaded with the rows. ``None``: no
-            optimizer state is moved.
+            optimizer state is moved (a stateless optimizer, e.g. plain SGD); an optimizer
+            not given here that keeps per-row state for a table's weight (Adam, SGD with
+            momentum) raises :class:`~stpipe.StpipeRuntimeError` from its ``step()``, as
+            its state would stay with positions, not rows.
         ids: where the row ids of a batch are. One table: ``None`` (the batch is the ids),
             a key (``batch[key]``) or a callable ``batch -> ids``. Several tables: a
             callable ``batch -> {name: ids}``, or a dict ``name -> key or callable``
@@ -738,6 +742,8 @@ class Pipeline:
             raise StpipeTypeError(
                 f"optimizer must be a torch.optim.Optimizer, a list of them or None, got {type(optimizer).__name__}"
             )
+        if not self._optimizers:
+            _watch_unbound(self.tables.items())
         self._ids_fn = self._make_ids_fn(ids)
         if isinstance(prefetch_delay, str):
             if prefetch_delay != "auto":
@@ -1967,6 +1973,50 @@ def _set_working(param: torch.Tensor, view: torch.Tensor) -> None:
     param.grad = None
     param.data = _other_empty(view)
     param.data = view
+
+
+#: tables of pipelines built without an optimizer: ``emb -> name`` (weak)
+_UNBOUND: "weakref.WeakKeyDictionary[HostEmbedding, Any]" = weakref.WeakKeyDictionary()
+_UNBOUND_HOOK: Any = None
+
+
+def _watch_unbound(tables: Iterable[Tuple[Any, HostEmbedding]]) -> None:
+    """Check every optimizer step for per-row state of these tables' working rows (see
+    :func:`_check_unbound`); torch's global step hook is registered once."""
+    global _UNBOUND_HOOK
+    for name, emb in tables:
+        _UNBOUND[emb] = name
+    if _UNBOUND_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _UNBOUND_HOOK = register_optimizer_step_post_hook(_check_unbound)
+
+
+def _check_unbound(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any ``optimizer.step()``: refuse per-row state for a table's working rows
+    held by an optimizer the table's pipeline was not given. That state would stay with
+    the positions of the working rows, i.e. go to other rows at the next step.
+
+    Raised inside the user's step, it fails the step: nothing is written back.
+    """
+    if not _UNBOUND:
+        return
+    state = optimizer.state
+    for emb, name in list(_UNBOUND.items()):
+        rs = emb.row_state
+        if rs is not None and rs.optimizer is optimizer:
+            continue
+        w = emb.weight
+        if w not in state:
+            continue
+        keys = [k for k, v in state[w].items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if keys:
+            raise StpipeRuntimeError(
+                f"{type(optimizer).__name__} keeps per-row state {keys} for table {name!r}, "
+                "but its Pipeline was built without this optimizer: that state would stay "
+                "with the positions of the working rows, not with the rows; pass it as "
+                "Pipeline(..., optimizer=opt)"
+            )
 
 
 def _set_idle(param: torch.Tensor) -> None:

@@ -344,6 +344,38 @@ def test_optimizer_state_reset_mid_run_is_a_clear_error(reset):
                 opt.zero_grad()
 
 
+@pytest.mark.parametrize("make, refused", [
+    (lambda p: torch.optim.Adam(p, lr=0.1), True),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True),
+    (lambda p: torch.optim.SGD(p, lr=0.1), False),
+], ids=["Adam", "SGD-momentum", "SGD"])
+def test_an_optimizer_with_row_state_not_given_to_the_pipeline_is_refused(make, refused):
+    """A pipeline built without the optimizer that trains its table: a stateless one
+    (plain SGD) trains as usual; one that keeps per-row state fails the step from its
+    ``step()`` with stpipe's error naming the keys, and the table is unchanged
+    (regression: the state stayed with the working rows' positions and went to other
+    rows at the next step)."""
+    emb = HostEmbedding(num_rows=16, dim=4, device="cpu", generator=torch.Generator().manual_seed(0))
+    opt = make(emb.parameters())
+    before = emb.table.tensor().clone()
+    with Pipeline(emb) as pipe:
+        for step in pipe.run([torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])]):
+            if refused:
+                with pytest.raises(StpipeRuntimeError, match=r"per-row state \['(exp_avg|momentum_buffer)'.*optimizer=opt"):
+                    with step:
+                        emb(step.ids).sum().backward()
+                        opt.step()
+                assert torch.equal(emb.table.tensor(), before)
+                break
+            with step:
+                emb(step.ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    if not refused:
+        changed = (emb.table.tensor() != before).any(1).nonzero().flatten().tolist()
+        assert changed == [0, 1, 2, 5, 6, 7]
+
+
 def test_sparse_adam_on_another_parameter_is_accepted():
     """Only an optimizer that trains a table is refused: a SparseAdam over the model's own
     ``nn.Embedding(sparse=True)`` beside it is the user's business and trains as usual."""
