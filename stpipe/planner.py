@@ -118,7 +118,7 @@ def _check_tensor_dtype(t: Any) -> None:
 
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise StpipeTypeError(
-            f"row ids must be an integer tensor (int32 or int64), got dtype {t.dtype}"
+            f"row ids must be an integer tensor (int64, int32 or another integer dtype), got dtype {t.dtype}"
         )
 
 
@@ -151,12 +151,15 @@ def as_index_array(ids: Any) -> np.ndarray:
         arr = np.asarray(ids)
     kind = arr.dtype.kind
     if kind == "b":
-        raise StpipeTypeError(f"row ids must be integers (int32 or int64), got dtype {arr.dtype}")
+        raise StpipeTypeError(
+            f"row ids must be integers (any integer dtype; int64 or int32 are used as given), "
+            f"got dtype {arr.dtype}"
+        )
     if kind not in "iu":
         if arr.size == 0 and kind == "f" and not isinstance(ids, np.ndarray):
             return np.empty(arr.shape, dtype=np.int64)
         raise StpipeTypeError(
-            f"row ids must be integers (int32 or int64), got dtype {arr.dtype}; "
+            f"row ids must be integers (any integer dtype; int64 or int32 are used as given), got dtype {arr.dtype}; "
             "cast them with .astype(np.int64) / .long() if they hold whole numbers"
         )
     if arr.dtype == np.int32 or arr.dtype == np.int64:  # (ascontiguousarray makes 0-d 1-d)
