@@ -334,19 +334,20 @@ class HostTable:
             pass
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused: a table is not pickled, deep-copied or ``torch.save``-d with a model.
+        """Refused: a table is not pickled, copied or ``torch.save``-d with a model.
 
         It can be tens of GB of page-locked memory, ordered by events of its device;
-        a pickled copy would silently double it (or lose it). Files and copies are
-        explicit.
+        a pickled or deep copy would silently double it (or lose it), a shallow one
+        would share it and free it twice. Files and copies are explicit.
 
         Raises:
             StpipeTypeError: always, naming what to use instead.
         """
         raise StpipeTypeError(
             f"a HostTable ({self.num_rows} x {self.dim} {self.dtype}) cannot be pickled, "
-            "deep-copied or saved with torch.save (e.g. copy.deepcopy(model) or "
-            "torch.save(model) of a model holding a HostEmbedding); save the table with "
+            "copied (copy.copy, copy.deepcopy) or saved with torch.save (e.g. "
+            "copy.deepcopy(model) or torch.save(model) of a model holding a "
+            "HostEmbedding); save the table with "
             "table.save(path) or a checkpoint (emb.save_checkpoint / stpipe.checkpoint.save) "
             "and the rest with model.state_dict(), or copy rows with "
             "HostTable.from_numpy(table.numpy())"

@@ -118,7 +118,8 @@ def _check_tensor_dtype(t: Any) -> None:
 
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise StpipeTypeError(
-            f"row ids must be an integer tensor (int64, int32 or another integer dtype), got dtype {t.dtype}"
+            f"row ids must be an integer tensor (int64, int32 or another integer dtype), "
+            f"got dtype {t.dtype}"
         )
 
 
@@ -159,8 +160,9 @@ def as_index_array(ids: Any) -> np.ndarray:
         if arr.size == 0 and kind == "f" and not isinstance(ids, np.ndarray):
             return np.empty(arr.shape, dtype=np.int64)
         raise StpipeTypeError(
-            f"row ids must be integers (any integer dtype; int64 or int32 are used as given), got dtype {arr.dtype}; "
-            "cast them with .astype(np.int64) / .long() if they hold whole numbers"
+            f"row ids must be integers (any integer dtype; int64 or int32 are used as given), "
+            f"got dtype {arr.dtype}; cast them with .astype(np.int64) / .long() if they hold "
+            "whole numbers"
         )
     if arr.dtype == np.int32 or arr.dtype == np.int64:  # (ascontiguousarray makes 0-d 1-d)
         return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
