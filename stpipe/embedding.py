@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import StpipeTypeError, StpipeValueError
+from ._errors import StpipeIndexError, StpipeTypeError, StpipeValueError
 from .optim import RowState
 from .planner import plan as _plan
 
@@ -360,7 +360,8 @@ class HostEmbedding(nn.Module):
 
         Raises:
             StpipeValueError: inside a step, an id the step did not gather.
-            StpipeIndexError, StpipeTypeError: bad ids.
+            StpipeIndexError, StpipeTypeError: bad ids (out of range, not integers), inside
+                a step too.
         """
         b = self._binding
         if b is None:
@@ -415,6 +416,13 @@ class HostEmbedding(nn.Module):
         pos = torch.searchsorted(uniq, flat).clamp_(max=k - 1)
         ok = uniq[pos] == flat
         if not bool(ok.all()):
+            out = (flat < 0) | (flat >= self.num_rows)
+            if bool(out.any()):  # not a row at all: the range error of every other path
+                bad = int(torch.nonzero(out)[0, 0])
+                raise StpipeIndexError(
+                    f"row id {int(flat[bad])} at position {bad} is out of range: expected "
+                    f"0 <= id < num_rows={self.num_rows}"
+                )
             bad = int(torch.nonzero(~ok)[0, 0])
             raise StpipeValueError(
                 f"row id {int(flat[bad])} at position {bad} is not among this step's rows; "

@@ -263,3 +263,22 @@ def test_module_conversions_to_another_dtype_or_device_are_refused():
         assert emb.weight.dtype == emb.dtype == torch.float32 and emb.weight.device.type == "cpu"
     assert model.float() is model and model.to("cpu", torch.float32) is model
     assert emb(torch.tensor([1, 2])).dtype == torch.float32
+
+
+def test_out_of_range_ids_inside_a_step_are_an_index_error():
+    """Inside a step, ids that are no row at all (negative, >= num_rows) get the range
+    error every other path gives, naming value and position; an in-range id the step
+    did not gather stays the ValueError that says so."""
+    from stpipe import StpipeIndexError, StpipeValueError
+    from stpipe.pipeline import Pipeline
+
+    emb = make()
+    with Pipeline(emb, depth=0) as pipe:
+        for step in pipe.run([torch.tensor([1, 2, 3])]):
+            with step:
+                with pytest.raises(StpipeIndexError, match=r"row id -1 at position 1 is out of range"):
+                    emb(torch.tensor([2, -1]))
+                with pytest.raises(StpipeIndexError, match=rf"row id {NUM_ROWS} at position 0"):
+                    emb(torch.tensor([NUM_ROWS]))
+                with pytest.raises(StpipeValueError, match="not among this step's rows"):
+                    emb(torch.tensor([4]))
