@@ -389,6 +389,13 @@ def _check_out_path(path: str) -> None:
         raise CliError(f"--out {path!r}: folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK):
         raise CliError(f"--out {path!r}: folder {folder!r} is not writable")
+    import tempfile
+
+    try:  # os.access says yes to root anywhere, and nothing of special filesystems
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".stpipe-probe-"):
+            pass
+    except OSError as exc:
+        raise CliError(f"--out {path!r}: cannot create a file in {folder!r} ({exc.strerror or exc})") from None
 
 
 def _print_neighbours(words, vectors, probes, k, oov_vector=None) -> None:
@@ -512,8 +519,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     _print_neighbours(vocab.words, vectors, probes, args.neighbours, oov_vector)
     if args.out is not None:
-        _demo.save_vectors(args.out, vocab.words, vectors, dim=cfg.dim, buckets=cfg.buckets,
-                           seed=cfg.seed, optimizer=cfg.optimizer)
+        meta = dict(dim=cfg.dim, buckets=cfg.buckets, seed=cfg.seed, optimizer=cfg.optimizer)
+        try:
+            _demo.save_vectors(args.out, vocab.words, vectors, **meta)
+        except OSError as exc:  # checked at the start; the disk may fill or go meanwhile
+            import tempfile
+
+            spare = os.path.join(tempfile.gettempdir(), f"stpipe-vectors-{os.getpid()}.npz")
+            _demo.save_vectors(spare, vocab.words, vectors, **meta)
+            print(f"stpipe demo: error: could not save to {args.out!r} ({exc}); the trained "
+                  f"vectors are in {spare} (reload: python -m stpipe demo --load {spare})",
+                  file=sys.stderr)
+            return 1
         print(f"saved {len(vocab):,} word vectors to {args.out} "
               f"(reload: python -m stpipe demo --load {args.out})")
     return 0

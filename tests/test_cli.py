@@ -171,6 +171,46 @@ def test_demo_trains_saves_and_reloads(capsys, tmp_path):
     assert "socket:" in text and "zzz: not in the vocabulary" in text
 
 
+def test_out_folder_that_takes_no_file_is_refused_before_training(capsys, tmp_path, monkeypatch):
+    """A folder where no file can be created (os.access says yes to root everywhere) is
+    refused before training (regression: the save failed after it, with a traceback)."""
+    import tempfile
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    err = _fail(capsys, ["demo", "--out", str(tmp_path / "v.npz"), "--buckets", "10"])
+    assert "cannot create a file" in err and "Permission denied" in err
+
+
+def test_a_save_that_fails_after_training_keeps_the_vectors(capsys, tmp_path, monkeypatch):
+    """The disk may fill or go during training: a failed save writes the vectors to a
+    spare file in the temp folder, names it, and exits 1 (nothing trained is lost)."""
+    from stpipe import _demo
+
+    real, calls = _demo.save_vectors, []
+
+    def save(path, *a, **k):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(_demo, "save_vectors", save)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    out = tmp_path / "vectors.npz"
+    rc = _cli.main(["demo", "--corpus", str(_small_corpus(tmp_path)), "--buckets", "500",
+                    "--min-count", "2", "--dim", "8", "--no-progress", "--out", str(out),
+                    "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "No space left" in err and len(calls) == 2
+    spare = calls[1]
+    assert spare.startswith(str(tmp_path)) and spare in err and os.path.exists(spare)
+    assert not out.exists()
+    assert _cli.main(["demo", "--load", spare, "--probe", "socket"]) == 0
+
+
 def test_ctrl_c_stops_cleanly_and_saves_nothing(tmp_path):
     import signal
     import time
