@@ -557,9 +557,11 @@ class Step:
 
     Attributes:
         index: the batch's position in the iterable (0-based).
-        batch: the batch as the iterable gave it.
-        ids: the ids as ``ids=`` returned them: for one table the ids object, for several
-            a dict ``name -> ids``. Pass them (or their parts) to the embedding.
+        batch: the batch; with CUDA and ``run(to_device=True)`` its CPU tensors moved to
+            the device (see the :attr:`batch` property), else as the iterable gave it.
+        ids: for one table the ids object ``ids=`` gave; for several a new dict
+            ``name -> ids`` of the tables' names only (other keys a callable ``ids=``
+            returns are ignored). Pass them (or their parts) to the embedding.
         plans: ``{name: Plan}`` (``None`` is the name of a single table).
 
     ``with step:`` waits (stream-wise) only for this step's rows; leaving normally writes
@@ -596,9 +598,10 @@ class Step:
 
     @property
     def ids(self) -> Any:
-        """The ids as ``ids=`` returned them (for several tables, a dict ``name -> ids``);
-        pass them, or their parts, to the embedding: ``emb(step.ids)`` takes the rows
-        this step gathered without looking them up again."""
+        """The ids ``ids=`` gave (for several tables, a new dict ``name -> ids`` of the
+        tables' names only); pass them, or their parts, to the embedding:
+        ``emb(step.ids)`` takes the rows this step gathered without looking them up
+        again."""
         return self._flight.ids
 
     @property
@@ -763,6 +766,12 @@ class Pipeline:
                       "delayed_s": 0.0}
         #: CPU seconds the prefetch threads of this pipeline have used (``time.thread_time``)
         self.prefetch_cpu_s = 0.0
+        if isinstance(join_timeout, bool) or not isinstance(join_timeout, (int, float, np.integer, np.floating)):
+            raise StpipeTypeError(
+                f"join_timeout must be a number of seconds, got {type(join_timeout).__name__}: {join_timeout!r}"
+            )
+        if not join_timeout >= 0:
+            raise StpipeValueError(f"join_timeout must be seconds >= 0, got {join_timeout!r}")
         self.join_timeout = float(join_timeout)
         self._cuda = self.device.type == "cuda"
         #: whether ``prefetch_delay="auto"`` waits (CUDA: the GIL's cost was measured there)
@@ -817,6 +826,12 @@ class Pipeline:
                 return lambda b: {None: b}
             if callable(ids):
                 return lambda b: {None: ids(b)}
+            if isinstance(ids, (Mapping, list, set)):
+                raise StpipeTypeError(
+                    f"ids= for one table must be None, a key of the batch or a callable "
+                    f"batch -> ids, got a {type(ids).__name__} (a dict maps several tables' "
+                    "names to keys)"
+                )
             return lambda b: {None: b[ids]}
         if ids is None:
             return lambda b: {n: b[n] for n in names}
@@ -838,10 +853,14 @@ class Pipeline:
                 raise StpipeValueError(f"ids= names unknown table(s) {unknown}; tables are {names}")
             getters = {}
             for n in names:
-                g = ids.get(n, n)
+                g = ids.get(n)
+                g = n if g is None else g  # left out or None: batch[name]
                 getters[n] = g if callable(g) else (lambda b, _k=g: b[_k])
             return lambda b: {n: getters[n](b) for n in names}
-        raise StpipeTypeError(f"ids= must be None, a key, a callable or a dict, got {type(ids).__name__}")
+        raise StpipeTypeError(
+            f"ids= for several tables must be None (batch[name]), a callable batch -> "
+            f"{{name: ids}} or a dict name -> key or callable, got {type(ids).__name__}"
+        )
 
     # -------------------------------------------------------------- public API
     def run(self, iterable: Iterable[Any], *, to_device: bool = True) -> Iterator[Step]:
@@ -881,8 +900,11 @@ class Pipeline:
                 f"Pipeline.run expects an iterable of batches (a DataLoader, its iterator, a "
                 f"list, a generator); got {type(iterable).__name__}"
             ) from exc
-        self._to_device = bool(to_device)
-        return self._steps(it)
+        if self._run is not None:  # said now, not at the first next() of the generator
+            raise StpipeRuntimeError(
+                "another run of this pipeline is active; finish it (or close the pipeline) first"
+            )
+        return self._steps(it, bool(to_device))
 
     def close(self) -> None:
         """Stop the prefetch thread (joined with ``join_timeout``), wait for write-backs.
@@ -985,7 +1007,7 @@ class Pipeline:
             raise StpipeRuntimeError("the pipeline is closed; make a new Pipeline")
 
     # ------------------------------------------------------------------ the run
-    def _steps(self, it: Iterator[Any]) -> Iterator[Step]:
+    def _steps(self, it: Iterator[Any], to_device: bool) -> Iterator[Step]:
         self._check_open()
         if self._run is not None:
             raise StpipeRuntimeError(
@@ -993,6 +1015,7 @@ class Pipeline:
             )
         run = _Run(self._num_slots, self.depth)
         self._run = run
+        self._to_device = to_device  # this run's (read by the uploads of its batches)
         self._inflight.clear()
         try:
             if self.depth == 0:

@@ -1142,3 +1142,59 @@ def test_optimizer_step_after_the_exit_changes_nothing(depth, opt_name):
             opt.step()
             opt.zero_grad()
     assert torch.equal(emb.table.tensor(), before)
+
+
+@DEPTHS
+def test_ids_dict_with_none_reads_the_tables_name(depth):
+    """``ids={name: None}`` reads ``batch[name]``, as documented (regression: it read
+    ``batch[None]``, a KeyError in the prefetch thread)."""
+    a, b = make_emb(1), make_emb(2)
+    batches = [{"a": torch.tensor([1, 2]), "y": torch.tensor([3])}]
+    seen = []
+    with Pipeline({"a": a, "b": b}, ids={"a": None, "b": "y"}, depth=depth) as pipe:
+        for step in pipe.run(batches):
+            with step:
+                seen.append((step.index, {k: v.tolist() for k, v in step.ids.items()}))
+    assert seen == [(0, {"a": [1, 2], "b": [3]})]
+
+
+def test_run_checks_for_an_active_run_at_the_call_and_keeps_its_own_to_device():
+    """``run()`` during an active run raises at the call (regression: at the generator's
+    first ``next()``, after it had switched the active run's ``to_device``); each run
+    keeps the ``to_device`` it was called with."""
+    pipe = Pipeline(make_emb(), depth=1)
+    with pipe:
+        g1 = pipe.run([torch.tensor([1])] * 3, to_device=True)
+        first = next(g1)
+        with first:
+            pass
+        with pytest.raises(StpipeRuntimeError, match="another run"):
+            pipe.run([torch.tensor([2])], to_device=False)
+        assert pipe._to_device is True
+        for step in g1:
+            with step:
+                pass
+        g3 = pipe.run([torch.tensor([1])], to_device=False)
+        g4 = pipe.run([torch.tensor([1])], to_device=True)  # neither started yet
+        for step in g3:
+            assert pipe._to_device is False
+            with step:
+                pass
+        for step in g4:
+            assert pipe._to_device is True
+            with step:
+                pass
+
+
+def test_constructor_refuses_ids_and_join_timeout_of_the_wrong_kind():
+    """A dict or list ``ids=`` for one table, and a non-number ``join_timeout``, are
+    refused when the pipeline is built (regression: a TypeError in the prefetch thread,
+    a bare ValueError from float())."""
+    with pytest.raises(StpipeTypeError, match="for one table"):
+        Pipeline(make_emb(), ids={"x": "ids"})
+    with pytest.raises(StpipeTypeError, match="for several tables"):
+        Pipeline({"a": make_emb(1), "b": make_emb(2)}, ids="key")
+    with pytest.raises(StpipeTypeError, match="join_timeout"):
+        Pipeline(make_emb(), join_timeout="5s")
+    with pytest.raises(StpipeValueError, match="join_timeout"):
+        Pipeline(make_emb(), join_timeout=-1)
