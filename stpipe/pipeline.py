@@ -576,6 +576,7 @@ class Step:
         self._entered = False
         self._exited = False
         self._snaps: Dict[Any, Any] = {}
+        self._opt_steps = 0  # the pipeline's count of optimizer steps at entry
         self._t_enter = 0.0
         self._compute_stream = None
         self._issued = False  # the write-back got past its checks (:meth:`Pipeline._write_back`)
@@ -818,6 +819,17 @@ class Pipeline:
                     "per-row state with the rows)"
                 )
             emb.bind_optimizer(self._optimizers[owners[0]])
+        # count the optimizers' steps, to tell a step that left a gradient unapplied
+        me = weakref.ref(self)
+
+        def count(opt: Any, args: Any, kwargs: Any) -> None:
+            pipe = me()
+            if pipe is not None:
+                pipe._opt_steps += 1
+
+        self._opt_steps = 0
+        self._step_hooks = [opt.register_step_post_hook(count) for opt in self._optimizers]
+        self._warned_unapplied = False
 
     def _make_ids_fn(self, ids: Any) -> Callable[[Any], Dict[Any, Any]]:
         names = list(self.tables)
@@ -915,6 +927,8 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
+        for hook in getattr(self, "_step_hooks", ()):
+            hook.remove()
         if self._run is not None:
             self._shutdown(self._run)
         self.synchronize()
@@ -1676,6 +1690,7 @@ class Pipeline:
                 step._snaps[name] = rs.snapshot()
                 rs.install(states)
             emb._bind(tf.binding)
+        step._opt_steps = getattr(self, "_opt_steps", 0)
         t1 = time.perf_counter()
         step._t_enter = t1
         if self._profile:
@@ -1725,6 +1740,18 @@ class Pipeline:
             step.record.update(compute_ms=(t1 - step._t_enter) * 1e3, writeback_ms=(t2 - t1) * 1e3)
             self.profile.append(step.record)
         self.stats["steps"] += 1
+        if (self._optimizers and not self._warned_unapplied and self._opt_steps == step._opt_steps
+                and any(emb.weight.grad is not None for emb in self.tables.values())):
+            self._warned_unapplied = True
+            warnings.warn(
+                f"step {f.index} ended with a gradient on a table's working rows and no "
+                "optimizer step: it is dropped (said once per pipeline). stpipe applies a "
+                "table's gradient only inside its step: call opt.step() within `with step:`; "
+                "gradients do not accumulate across steps (a step skipped on purpose, e.g. by "
+                "GradScaler on inf gradients, needs nothing)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         for emb in self.tables.values():
             _set_idle(emb.weight)
         if run is not None and not run.closed:
