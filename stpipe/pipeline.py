@@ -798,6 +798,11 @@ class Pipeline:
         self._pair = True
         #: (id(a), id(b)) -> (a, b, paired launch or None) (:meth:`_paired`; issue lock)
         self._pairs: Dict[Tuple[int, int], Tuple[Any, Any, Any]] = {}
+        #: optimizer steps counted by hooks on the given optimizers, to tell a step that
+        #: left a gradient unapplied (warned once)
+        self._opt_steps = 0
+        self._step_hooks: List[Any] = []
+        self._warned_unapplied = False
         self._bind_optimizers()
 
     # ------------------------------------------------------------------ set-up
@@ -819,7 +824,6 @@ class Pipeline:
                     "per-row state with the rows)"
                 )
             emb.bind_optimizer(self._optimizers[owners[0]])
-        # count the optimizers' steps, to tell a step that left a gradient unapplied
         me = weakref.ref(self)
 
         def count(opt: Any, args: Any, kwargs: Any) -> None:
@@ -827,9 +831,7 @@ class Pipeline:
             if pipe is not None:
                 pipe._opt_steps += 1
 
-        self._opt_steps = 0
         self._step_hooks = [opt.register_step_post_hook(count) for opt in self._optimizers]
-        self._warned_unapplied = False
 
     def _make_ids_fn(self, ids: Any) -> Callable[[Any], Dict[Any, Any]]:
         names = list(self.tables)
@@ -912,10 +914,7 @@ class Pipeline:
                 f"Pipeline.run expects an iterable of batches (a DataLoader, its iterator, a "
                 f"list, a generator); got {type(iterable).__name__}"
             ) from exc
-        if self._run is not None:  # said now, not at the first next() of the generator
-            raise StpipeRuntimeError(
-                "another run of this pipeline is active; finish it (or close the pipeline) first"
-            )
+        self._check_no_run()  # said now, not at the first next() of the generator
         return self._steps(it, bool(to_device))
 
     def close(self) -> None:
@@ -927,7 +926,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        for hook in getattr(self, "_step_hooks", ()):
+        for hook in self._step_hooks:
             hook.remove()
         if self._run is not None:
             self._shutdown(self._run)
@@ -1021,12 +1020,15 @@ class Pipeline:
             raise StpipeRuntimeError("the pipeline is closed; make a new Pipeline")
 
     # ------------------------------------------------------------------ the run
-    def _steps(self, it: Iterator[Any], to_device: bool) -> Iterator[Step]:
-        self._check_open()
+    def _check_no_run(self) -> None:
         if self._run is not None:
             raise StpipeRuntimeError(
                 "another run of this pipeline is active; finish it (or close the pipeline) first"
             )
+
+    def _steps(self, it: Iterator[Any], to_device: bool) -> Iterator[Step]:
+        self._check_open()
+        self._check_no_run()  # another generator may have started since run() made this one
         run = _Run(self._num_slots, self.depth)
         self._run = run
         self._to_device = to_device  # this run's (read by the uploads of its batches)
@@ -1623,12 +1625,22 @@ class Pipeline:
                 "ended) before it was entered, so its rows are gone; enter each step "
                 "(`with step:`) before taking the next"
             )
+        t0 = time.perf_counter()
         for name, emb in self.tables.items():
             rs = emb.row_state
-            # scalar state gone (Adam's `step`): the optimizer would fail on the per-row
-            # views alone (an optimizer without scalar state, e.g. SGD's momentum, has
-            # none after a checkpoint's load, and reads its per-row state as usual)
-            if rs is not None and rs.discovered and rs.scalar_keys and not rs.optimizer.state.get(emb.weight):
+            if rs is None:
+                continue
+            if not rs.discovered:
+                # an optimizer that creates its state in __init__ (Adagrad) has it before
+                # any step
+                if rs.optimizer.state.get(emb.weight):
+                    with self._lock:
+                        rs.discover()
+            elif rs.scalar_keys and not rs.optimizer.state.get(emb.weight):
+                # scalar state gone (Adam's `step`): the optimizer would fail on the
+                # per-row views alone (an optimizer without scalar state, e.g. SGD's
+                # momentum, has none after a checkpoint's load, and reads its per-row
+                # state as usual)
                 raise StpipeRuntimeError(
                     f"{type(rs.optimizer).__name__} holds no state for table {name!r} any "
                     "more (optimizer.state was cleared, or optimizer.load_state_dict gave "
@@ -1637,17 +1649,10 @@ class Pipeline:
                     "emb.load_checkpoint, or start afresh with a new Pipeline, optimizer "
                     f"and tables; step {step.index} was not entered"
                 )
-        t0 = time.perf_counter()
         cs = self._copy_stream
         compute = current_stream(self.device) if self._cuda else None
         self._compute_stream = compute
         step._compute_stream = compute
-        # an optimizer that creates its state in __init__ (Adagrad) has it before any step
-        for emb in self.tables.values():
-            rs = emb.row_state
-            if rs is not None and not rs.discovered and rs.optimizer.state.get(emb.weight):
-                with self._lock:
-                    rs.discover()
         # state keys discovered after this batch was gathered: gather them now (the host
         # is up to date: every earlier step has issued its write-back)
         late = {name: [k for k in (self.tables[name].row_state.keys if self.tables[name].row_state else ())
@@ -1690,7 +1695,7 @@ class Pipeline:
                 step._snaps[name] = rs.snapshot()
                 rs.install(states)
             emb._bind(tf.binding)
-        step._opt_steps = getattr(self, "_opt_steps", 0)
+        step._opt_steps = self._opt_steps
         t1 = time.perf_counter()
         step._t_enter = t1
         if self._profile:
@@ -2078,28 +2083,27 @@ def _set_idle(param: torch.Tensor) -> None:
     at every depth, instead of updating that batch's freshly gathered rows.
     """
     param.grad = None
-    key = (param.dtype, param.device, int(param.shape[-1]))
-    empty = _IDLE.get(key)
-    if empty is None:
-        empty = _IDLE.setdefault(key, torch.empty(0, key[2], dtype=key[0], device=key[1]))
-    param.data = empty
+    param.data = _empty((0, int(param.shape[-1])), param.dtype, param.device)
 
 
 def _other_empty(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor on ``t``'s device of a dtype other than ``t``'s (cached): what
     ``param.data`` passes through to drop autograd's cached gradient accumulator."""
-    key = (t.dtype, t.device)
+    return _empty((0,), torch.float64 if t.dtype != torch.float64 else torch.float32, t.device)
+
+
+def _empty(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``shape`` (one dimension 0), cached per shape, dtype and device
+    (they are assigned to parameters' ``.data`` every step, so no allocation there)."""
+    key = (shape, dtype, device)
     empty = _EMPTY.get(key)
     if empty is None:
-        other = torch.float64 if t.dtype != torch.float64 else torch.float32
-        empty = _EMPTY.setdefault(key, torch.empty(0, dtype=other, device=t.device))
+        empty = _EMPTY.setdefault(key, torch.empty(shape, dtype=dtype, device=device))
     return empty
 
 
-#: one empty tensor of another dtype per (dtype, device), for :func:`_other_empty`
-_EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
-#: see :func:`_set_idle`
-_IDLE: Dict[Tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+#: see :func:`_empty`
+_EMPTY: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 
 class _Stopped(Exception):
