@@ -97,7 +97,7 @@ import numpy as np
 import torch
 
 from .. import _cuda
-from .._io import atomic_write
+from .._io import atomic_write, read_npy_header
 from .._errors import (
     BackendUnavailableError,
     StpipeIndexError,
@@ -107,6 +107,8 @@ from .._errors import (
 )
 from .._streams import current_stream
 from ..kernels import IndexBatch
+from ..embedding import _version
+from ..host import _from_numpy_chunk  # numpy chunks as torch takes them, as HostTable.copy_from
 from ..pipeline import _other_empty
 from ..planner import _check_tensor_dtype, as_index_array, check_ids, first_repeat, plan, same_ids, scan_ids
 
@@ -553,8 +555,6 @@ def _copy_chunked(dst: torch.Tensor, src: Union[np.ndarray, torch.Tensor],
     """``dst.copy_(src)`` in row chunks (``src`` may be a memory-mapped array)."""
     if tuple(src.shape) != tuple(dst.shape):
         raise StpipeValueError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
-    from ..host import _from_numpy_chunk  # byte order and longdouble, as HostTable.copy_from
-
     row = max(1, int(np.prod(dst.shape[1:], dtype=np.int64)) * dst.element_size())
     per = max(1, chunk_bytes // row)
     with torch.no_grad():
@@ -634,8 +634,6 @@ def _open_npy(path: PathLike) -> np.ndarray:
 
 def _npy_damage(path: str, exc: BaseException) -> str:
     """What is wrong with a ``.npy`` file that ``np.load`` could not map (for a message)."""
-    from .._io import read_npy_header
-
     try:
         with open(path, "rb") as f:
             shape, _, dtype, offset = read_npy_header(f)
@@ -670,8 +668,6 @@ def _load_store(path: PathLike, where: _Placement, device: torch.device,
             "(total_classes, embed_dimension)"
         )
     flat = arr.reshape(shape[0], -1) if arr.ndim != 2 else arr
-    from ..host import _from_numpy_chunk
-
     try:  # (a big-endian file is read in native byte order, a longdouble one as float64)
         file_dtype = _from_numpy_chunk(np.empty(0, dtype=arr.dtype)).dtype
     except (TypeError, ValueError):
@@ -1178,10 +1174,8 @@ def _probe(ids: Any, flat: np.ndarray, start: int) -> Any:
     counter), ``None`` for other kinds (always compared in full), and for inference
     tensors, which keep no edit counter."""
     if isinstance(ids, torch.Tensor):
-        try:
-            return ids._version
-        except RuntimeError:  # an inference tensor
-            return None
+        v = _version(ids)  # -1: an inference tensor
+        return v if v >= 0 else None
     if isinstance(ids, np.ndarray) and 0 <= start and start + ids.size <= flat.shape[0]:
         return flat[start:start + ids.size].reshape(ids.shape)
     return None
